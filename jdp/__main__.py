@@ -1,0 +1,5 @@
+import sys
+
+from jdp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,33 @@
+"""Bounding how many dispatched computations may run ahead of the host.
+
+JAX dispatches asynchronously. On a 2-core CPU with simulated devices and JAX ≤ 0.11, letting
+collective-using steps pile up starves XLA's rendezvous threads: the process freezes, then aborts
+("Expected N threads to join the rendezvous"). Waiting for step t−1 while step t runs keeps the
+pipeline full and the queue bounded.
+"""
+
+from collections import deque
+from typing import Any
+
+import jax
+
+
+class InFlight:
+    """A window of at most `limit` unfinished results; `push` waits for the oldest beyond it."""
+
+    def __init__(self, limit: int = 2) -> None:
+        if limit < 1:
+            raise ValueError(f"`limit` must be at least 1, got {limit}.")
+        self._limit = limit
+        self._pending: deque[Any] = deque()
+
+    def push(self, result: Any) -> None:
+        """Registers a just-dispatched result, blocking until at most `limit` remain unfinished."""
+        self._pending.append(result)
+        while len(self._pending) > self._limit:
+            jax.block_until_ready(self._pending.popleft())
+
+    def drain(self) -> None:
+        """Waits for everything still in flight."""
+        while self._pending:
+            jax.block_until_ready(self._pending.popleft())

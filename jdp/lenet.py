@@ -1,0 +1,48 @@
+"""The lesson's LeNet variant as pure functions over a flat params dict.
+
+Layout follows the lesson (PyTorch): images NCHW, conv kernels OIHW, dense weights (in, out).
+This is the reference formulation that faster ones are tested against.
+"""
+
+import jax
+import jax.numpy as jnp
+
+Params = dict[str, jax.Array]
+
+# name -> shape, in the lesson's order: conv(20,1,3,3), conv(50,20,5,5), dense(800,128), dense(128,10).
+SHAPES: dict[str, tuple[int, ...]] = {
+    "W1": (20, 1, 3, 3), "b1": (20,),
+    "W2": (50, 20, 5, 5), "b2": (50,),
+    "W3": (800, 128), "b3": (128,),
+    "W4": (128, 10), "b4": (10,),
+}
+
+
+def init(key: jax.Array, scale: float = 0.01) -> Params:
+    """Weights ~ N(0, scale²), biases 0, as the lesson's `get_params` draws them."""
+    keys = jax.random.split(key, len(SHAPES))
+    return {
+        name: (scale * jax.random.normal(k, shape) if name.startswith("W") else jnp.zeros(shape))
+        for k, (name, shape) in zip(keys, SHAPES.items())
+    }
+
+
+def _conv(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    y = jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=("NCHW", "OIHW", "NCHW"))
+    return y + b[None, :, None, None]
+
+
+def _avg_pool(x: jax.Array) -> jax.Array:
+    """2×2 average pooling, stride 2, floor on odd sizes (PyTorch's `avg_pool2d` default)."""
+    summed = jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
+    return summed / 4.0
+
+
+def apply(params: Params, images: jax.Array) -> jax.Array:
+    """Logits for a batch of images of shape (N, 1, 28, 28)."""
+    h = _avg_pool(jax.nn.relu(_conv(images, params["W1"], params["b1"])))
+    h = _avg_pool(jax.nn.relu(_conv(h, params["W2"], params["b2"])))
+    h = h.reshape(h.shape[0], -1)
+    h = jax.nn.relu(h @ params["W3"] + params["b3"])
+    return h @ params["W4"] + params["b4"]
+
