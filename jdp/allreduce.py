@@ -2,21 +2,45 @@
 
 Two places an allreduce can run, and so two kinds of strategy:
 
-* ``inside`` the mapped step, as a collective over the device axis: ``fn(tree, axis_name)``,
+* ``inside`` the mapped step, as collectives over the device axis: ``fn(tree, axis_name)``,
   called on each device's local tree (no leading device axis).
 * ``outside`` it, between two mapped functions, moving buffers with explicit ``jax.device_put``:
   ``fn(tree)``, where every leaf is a global array of shape (k, ...) with slice i on device i.
   This is how the lesson's allreduce works: gradients leave the device computation, are copied,
   summed, copied back.
 
-Every strategy leaves bit-identical values on all devices, so replicas never drift apart.
+The algorithms, for a buffer of N bytes on each of k devices:
+
+=============  ========  ==============================================  ==================
+strategy       where     what one device sends                           sequential steps
+=============  ========  ==============================================  ==================
+psum           inside    XLA's choice                                    XLA's choice
+manual (star)  outside   N (the root: (k−1)·N in and (k−1)·N out)        2(k−1) copies
+manual_ring    outside   2(k−1)/k·N                                      2(k−1)
+ring           inside    2(k−1)/k·N                                      2(k−1)
+tree           inside    2(p−1)/p·N (+N to fold k−p extra devices)       2·log2(p) (+2)
+=============  ========  ==============================================  ==================
+
+(p is the largest power of two ≤ k.) Every strategy computes each element of the sum on exactly
+one device and copies that result to the others, so all devices hold bit-identical values and the
+replicas never drift apart. `fused` wraps any of them to allreduce a few large buffers instead of
+one small buffer per leaf.
+
+References:
+  Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations", 2009.
+  Thakur, Rabenseifner & Gropp, "Optimization of collective communication operations in MPICH", 2005.
 """
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from functools import lru_cache, partial
 from typing import Any, Literal, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jdp.errors import ConfigError
 
@@ -27,7 +51,7 @@ class Allreduce(NamedTuple):
     """A named allreduce algorithm.
 
     Attributes:
-      name: what the CLI calls it.
+      name: what the CLI calls it (with `+fused` / `+bucketsM` when wrapped by `fused`).
       where: "inside" (fn(tree, axis_name), a collective in the mapped step) or "outside"
         (fn(tree) on global arrays with a leading device axis, between mapped functions).
       fn: the algorithm.
@@ -38,9 +62,109 @@ class Allreduce(NamedTuple):
     fn: Callable[..., PyTree]
 
 
+# --- inside the mapped step: collectives over the device axis -------------------------------
+
+
 def psum(tree: PyTree, axis_name: str) -> PyTree:
     """XLA's all-reduce collective over `axis_name`; the reference every other strategy must equal."""
     return lax.psum(tree, axis_name)  # one all-reduce per leaf (XLA may combine them)
+
+
+def ring(tree: PyTree, axis_name: str) -> PyTree:
+    """Ring allreduce from `lax.ppermute`: reduce-scatter, then all-gather, k−1 steps each.
+
+    Each buffer is cut into k chunks. In reduce-scatter step s, device i passes chunk (i−s) mod k
+    to its right neighbour, which adds it to its own copy of that chunk; after k−1 steps device i
+    holds the full sum of chunk i+1. All-gather then passes the finished chunks round the ring.
+    Every device sends and receives 2(k−1)/k·N bytes, the minimum for any allreduce, and every
+    link carries traffic at every step (Patarasuk & Yuan 2009).
+    """
+    return jax.tree.map(partial(_ring_sum, axis_name=axis_name), tree)
+
+
+def _ring_sum(x: jax.Array, axis_name: str) -> jax.Array:
+    k = lax.axis_size(axis_name)
+    if k == 1 or x.size == 0:
+        return x
+    i = lax.axis_index(axis_name)
+    chunks = _pad(x.ravel(), k).reshape(k, -1)
+    right = [(j, (j + 1) % k) for j in range(k)]
+
+    def reduce_scatter_step(s, chunks):
+        received = lax.ppermute(_row(chunks, (i - s) % k), axis_name, right)  # chunk i−s → device i+1
+        target = (i - 1 - s) % k
+        return _set_row(chunks, target, _row(chunks, target) + received)
+
+    def all_gather_step(s, chunks):  # pass the finished chunks on, overwriting
+        received = lax.ppermute(_row(chunks, (i + 1 - s) % k), axis_name, right)
+        return _set_row(chunks, (i - s) % k, received)
+
+    chunks = lax.fori_loop(0, k - 1, reduce_scatter_step, chunks)
+    chunks = lax.fori_loop(0, k - 1, all_gather_step, chunks)
+    return chunks.ravel()[: x.size].reshape(x.shape)
+
+
+def tree(tree: PyTree, axis_name: str) -> PyTree:
+    """Recursive-halving reduce-scatter, then recursive-doubling all-gather, from `lax.ppermute`.
+
+    With p = k a power of two: in step d = p/2, p/4, …, 1 device i swaps half of its current
+    segment with device i XOR d and adds the half it keeps, so after log2(p) steps device i holds
+    the sum of chunk i; the all-gather retraces the steps, doubling the segment each time. That is
+    2·log2(p) steps instead of the ring's 2(k−1), for the same 2(p−1)/p·N bytes sent.
+
+    Any k works: the r = k − p devices beyond the largest power of two first send their whole
+    buffer to devices 0..r−1 (which add it), sit out the exchange, and receive the result at the
+    end (Thakur, Rabenseifner & Gropp 2005).
+    """
+    return jax.tree.map(partial(_tree_sum, axis_name=axis_name), tree)
+
+
+def _tree_sum(x: jax.Array, axis_name: str) -> jax.Array:
+    k = lax.axis_size(axis_name)
+    if k == 1 or x.size == 0:
+        return x
+    p = 1 << (k.bit_length() - 1)  # the largest power of two ≤ k
+    extra = k - p
+    i = lax.axis_index(axis_name)
+    flat = x.ravel()
+    if extra:  # fold: device p+j sends its buffer to device j, which adds it
+        received = lax.ppermute(flat, axis_name, [(p + j, j) for j in range(extra)])
+        flat = jnp.where(i < extra, flat + received, flat)
+    segment = _pad(flat, p)
+    d = p // 2
+    while d >= 1:  # reduce-scatter by recursive halving: keep one half, send the other to i XOR d
+        low, high = jnp.split(segment, 2)
+        upper = (i & d) != 0
+        received = lax.ppermute(jnp.where(upper, low, high), axis_name, [(j, j ^ d) for j in range(p)])
+        segment = jnp.where(upper, high, low) + received
+        d //= 2
+    d = 1
+    while d < p:  # all-gather by recursive doubling: swap segments with i XOR d, concatenate in order
+        received = lax.ppermute(segment, axis_name, [(j, j ^ d) for j in range(p)])
+        upper = (i & d) != 0
+        segment = jnp.where(upper, jnp.concatenate([received, segment]), jnp.concatenate([segment, received]))
+        d *= 2
+    flat = segment[: x.size]
+    if extra:  # unfold: device j sends the result back to device p+j
+        received = lax.ppermute(flat, axis_name, [(j, p + j) for j in range(extra)])
+        flat = jnp.where(i >= p, received, flat)
+    return flat.reshape(x.shape)
+
+
+def _pad(flat: jax.Array, multiple: int) -> jax.Array:
+    """Zero-pads a 1-D array to a length divisible by `multiple` (zeros add nothing to a sum)."""
+    return jnp.pad(flat, (0, -flat.size % multiple))
+
+
+def _row(chunks: jax.Array, index: jax.Array) -> jax.Array:
+    return lax.dynamic_index_in_dim(chunks, index, keepdims=False)
+
+
+def _set_row(chunks: jax.Array, index: jax.Array, row: jax.Array) -> jax.Array:
+    return lax.dynamic_update_index_in_dim(chunks, row, index, 0)
+
+
+# --- outside the mapped step: explicit copies between devices --------------------------------
 
 
 def manual(tree: PyTree) -> PyTree:
@@ -53,7 +177,7 @@ def manual(tree: PyTree) -> PyTree:
 
 
 def _star_sum(x: jax.Array) -> jax.Array:
-    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+    shards = _ordered_shards(x)
     root = shards[0].device
     total = shards[0].data
     for shard in shards[1:]:
@@ -62,21 +186,208 @@ def _star_sum(x: jax.Array) -> jax.Array:
     return jax.make_array_from_single_device_arrays(x.shape, x.sharding, copies)
 
 
+def manual_ring(tree: PyTree) -> PyTree:
+    """Ring allreduce from explicit `jax.device_put` copies between neighbours.
+
+    The same schedule as `ring`, written the lesson's way: each device's buffer is cut into k
+    chunks; k−1 reduce-scatter steps copy one chunk from device i to device i+1, which adds it;
+    k−1 all-gather steps copy the finished chunks on. Every device sends 2(k−1)/k·N bytes, so no
+    device is a bottleneck. Each step is k copies dispatched from the host, plus (in reduce-scatter)
+    one addition that runs on every device at once.
+    """
+    return jax.tree.map(_ring_sum_explicit, tree)
+
+
+def _ring_sum_explicit(x: jax.Array) -> jax.Array:
+    shards = _ordered_shards(x)
+    k = len(shards)
+    if k == 1 or x.size == 0:
+        return x
+    local = _ring_programs(tuple(s.device for s in shards))
+    pieces = local.split(local.stack([s.data for s in shards]))  # pieces[c]: row i = chunk c of device i
+    chunks = [[_ordered_shards(piece)[i].data for piece in pieces] for i in range(k)]  # chunks[i][c] on device i
+    for s in range(k - 1):  # reduce-scatter: device i sends chunk i−s; device i+1 adds it to its own copy
+        received = _pass_right([chunks[i][(i - s) % k] for i in range(k)])
+        targets = [(j, (j - 1 - s) % k) for j in range(k)]
+        summed = local.stack([chunks[j][c] for j, c in targets]) + local.stack(received)  # every device at once
+        for (j, c), part in zip(targets, _ordered_shards(summed), strict=True):
+            chunks[j][c] = part.data
+    for s in range(k - 1):  # all-gather: device i sends its finished chunk i+1−s; device i+1 keeps it
+        received = _pass_right([chunks[i][(i + 1 - s) % k] for i in range(k)])
+        for j in range(k):
+            chunks[j][(j - s) % k] = received[j]
+    out = local.join(tuple(local.stack([chunks[i][c] for i in range(k)]) for c in range(k)), x.shape[1:])
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, [s.data for s in _ordered_shards(out)])
+
+
+def _pass_right(sent: list[jax.Array]) -> list[jax.Array]:
+    """Copies `sent[i]` from device i to device i+1 (mod k): each link of the ring once."""
+    destinations = [sent[(i + 1) % len(sent)].device for i in range(len(sent))]
+    moved = jax.device_put(sent, destinations)
+    return moved[-1:] + moved[:-1]  # received[j] came from device j−1
+
+
+class _RingPrograms(NamedTuple):
+    """`manual_ring`'s per-device reshaping, each one dispatch over all devices (no communication)."""
+
+    stack: Callable[[list[jax.Array]], jax.Array]  # row i from device i → one (k, ...) array, no copy
+    split: Callable[[jax.Array], tuple[jax.Array, ...]]  # (k, ...) → k (k, chunk) arrays, zero-padded
+    join: Callable[[tuple[jax.Array, ...], tuple[int, ...]], jax.Array]  # the inverse of split
+
+
+@lru_cache
+def _ring_programs(devices: tuple[jax.Device, ...]) -> _RingPrograms:
+    k, axis = len(devices), "ring"
+    mesh = Mesh(np.asarray(devices), (axis,))
+    sharding = NamedSharding(mesh, P(axis))
+
+    def stack(rows: list[jax.Array]) -> jax.Array:
+        return jax.make_array_from_single_device_arrays((k, *rows[0].shape[1:]), sharding, rows)
+
+    def split(x):  # this device's (1, ...) slice → k chunks of shape (1, chunk)
+        return tuple(_pad(x.ravel(), k).reshape(k, 1, -1))
+
+    @partial(jax.jit, static_argnums=1)
+    def join(pieces, shape):
+        def unsplit(*pieces):
+            return jnp.concatenate(pieces, axis=1)[:, : math.prod(shape)].reshape(1, *shape)
+
+        return jax.shard_map(unsplit, mesh=mesh, in_specs=P(axis), out_specs=P(axis))(*pieces)
+
+    return _RingPrograms(stack, jax.jit(jax.shard_map(split, mesh=mesh, in_specs=P(axis), out_specs=P(axis))), join)
+
+
+def _ordered_shards(x: jax.Array) -> list[jax.Shard]:
+    """The shards of a (k, ...) array in device-axis order: slice i first on device i."""
+    return sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+
+
+# --- fusion: few large buffers instead of one small buffer per leaf --------------------------
+
+
+def fused(strategy: Allreduce, bucket_mb: float | None = None) -> Allreduce:
+    """Wraps `strategy` to allreduce the leaves raveled into one buffer per dtype, or buckets.
+
+    Many small allreduces pay a fixed cost (a collective's latency, or a host dispatch per copy)
+    for every leaf; one large buffer pays it once. Buckets of at most `bucket_mb` MB (2^20 bytes,
+    like PyTorch DDP's `bucket_cap_mb` and Horovod's tensor fusion threshold) bound the extra
+    memory. Leaves are grouped by dtype, so nothing is cast and the sums stay those of `strategy`.
+
+    Args:
+      strategy: any allreduce strategy.
+      bucket_mb: largest bucket in MB; None puts each dtype's leaves in one buffer.
+
+    Returns:
+      The fused strategy, named `<name>+fused` or `<name>+buckets<M>MB`.
+
+    Raises:
+      ConfigError: if `bucket_mb` is not positive.
+    """
+    if bucket_mb is not None and not bucket_mb > 0:
+        raise ConfigError(f"`--bucket-mb` must be positive, got {bucket_mb}.")
+    cap_bytes = None if bucket_mb is None else bucket_mb * 2**20
+    name = f"{strategy.name}+fused" if bucket_mb is None else f"{strategy.name}+buckets{bucket_mb:g}MB"
+
+    if strategy.where == "inside":
+
+        def fn_inside(tree: PyTree, axis_name: str) -> PyTree:
+            leaves, treedef = jax.tree.flatten(tree)
+            layout = _layout(leaves, lead=0)
+            buckets = _to_buckets(leaves, layout, cap_bytes, lead=0)
+            reduced = strategy.fn(buckets, axis_name)
+            return jax.tree.unflatten(treedef, _from_buckets(reduced, layout, cap_bytes, lead=0))
+
+        return Allreduce(name, "inside", fn_inside)
+
+    def fn_outside(tree: PyTree) -> PyTree:
+        leaves, treedef = jax.tree.flatten(tree)
+        layout = _layout(leaves, lead=1)
+        buckets = _to_buckets_jit(leaves, layout, cap_bytes, 1)  # one dispatch; slices stay on their devices
+        reduced = strategy.fn(buckets)
+        return jax.tree.unflatten(treedef, _from_buckets_jit(reduced, layout, cap_bytes, 1))
+
+    return Allreduce(name, "outside", fn_outside)
+
+
+# For each dtype in order of first appearance: (dtype, ((leaf index, shape after the lead axes), ...)).
+Layout = tuple[tuple[np.dtype, tuple[tuple[int, tuple[int, ...]], ...]], ...]
+
+
+def _layout(leaves: Sequence[jax.Array], lead: int) -> Layout:
+    """Which leaves go into which dtype's buffer, in order; hashable, so it can be a static argument."""
+    groups: dict[np.dtype, list[tuple[int, tuple[int, ...]]]] = {}
+    for index, leaf in enumerate(leaves):
+        groups.setdefault(np.dtype(leaf.dtype), []).append((index, tuple(leaf.shape[lead:])))
+    return tuple((dtype, tuple(entries)) for dtype, entries in groups.items())
+
+
+def _bounds(size: int, itemsize: int, cap_bytes: float | None) -> list[tuple[int, int]]:
+    """[start, stop) of consecutive buckets of at most `cap_bytes` (at least one element each)."""
+    if cap_bytes is None or size == 0:
+        return [(0, size)]
+    step = max(1, int(cap_bytes // itemsize))
+    return [(start, min(start + step, size)) for start in range(0, size, step)]
+
+
+def _to_buckets(leaves: Sequence[jax.Array], layout: Layout, cap_bytes: float | None, lead: int) -> list[jax.Array]:
+    """Ravels the leaves (keeping the first `lead` axes) into each dtype's buffer, cut into buckets."""
+    buckets = []
+    for dtype, entries in layout:
+        head = leaves[entries[0][0]].shape[:lead]
+        buffer = jnp.concatenate([leaves[i].reshape(*head, -1) for i, _ in entries], axis=lead)
+        for start, stop in _bounds(buffer.shape[lead], dtype.itemsize, cap_bytes):
+            buckets.append(lax.slice_in_dim(buffer, start, stop, axis=lead))
+    return buckets
+
+
+def _from_buckets(buckets: Sequence[jax.Array], layout: Layout, cap_bytes: float | None, lead: int) -> list[jax.Array]:
+    """The inverse of `_to_buckets`: the leaves in their original order and shapes."""
+    leaves: dict[int, jax.Array] = {}
+    remaining = iter(buckets)
+    for dtype, entries in layout:
+        size = sum(math.prod(shape) for _, shape in entries)
+        parts = [next(remaining) for _ in _bounds(size, dtype.itemsize, cap_bytes)]
+        buffer = jnp.concatenate(parts, axis=lead) if len(parts) > 1 else parts[0]
+        head, offset = buffer.shape[:lead], 0
+        for index, shape in entries:
+            stop = offset + math.prod(shape)
+            leaves[index] = lax.slice_in_dim(buffer, offset, stop, axis=lead).reshape(*head, *shape)
+            offset = stop
+    return [leaves[i] for i in range(len(leaves))]
+
+
+_to_buckets_jit = jax.jit(_to_buckets, static_argnums=(1, 2, 3))
+_from_buckets_jit = jax.jit(_from_buckets, static_argnums=(1, 2, 3))
+
+
 STRATEGIES: dict[str, Allreduce] = {
     "psum": Allreduce("psum", "inside", psum),
     "manual": Allreduce("manual", "outside", manual),
+    "manual_ring": Allreduce("manual_ring", "outside", manual_ring),
+    "ring": Allreduce("ring", "inside", ring),
+    "tree": Allreduce("tree", "inside", tree),
 }
 
 
-def get(name: str) -> Allreduce:
-    """The strategy called `name`.
+def get(name: str, *, fuse: bool = False, bucket_mb: float | None = None) -> Allreduce:
+    """The strategy called `name`, per leaf or fused.
+
+    Args:
+      name: a key of `STRATEGIES`.
+      fuse: allreduce few large buffers instead of one per leaf (see `fused`).
+      bucket_mb: with `fuse`, the largest bucket in MB; None means one buffer per dtype.
 
     Raises:
-      ConfigError: for an unknown name, listing the known ones.
+      ConfigError: for an unknown name (listing the known ones), or `bucket_mb` without `fuse`.
     """
     try:
-        return STRATEGIES[name]
+        strategy = STRATEGIES[name]
     except KeyError:
         raise ConfigError(
             f"Unknown allreduce strategy `{name}`; choose one of: {', '.join(STRATEGIES)}."
         ) from None
+    if not fuse:
+        if bucket_mb is not None:
+            raise ConfigError(f"`--bucket-mb {bucket_mb:g}` only applies to fused buffers; add `--fuse`.")
+        return strategy
+    return fused(strategy, bucket_mb)

@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -11,8 +12,15 @@ from pathlib import Path
 from jdp.errors import ConfigError, JdpError
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit status 2), like every other jdp error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="jdp", description="Data-parallel training of the lesson's LeNet in functional JAX."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -26,7 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, default=256, help="global batch, split over the devices")
     train.add_argument("--lr", type=float, default=0.2, help="SGD learning rate (on the full-batch mean gradient)")
     train.add_argument("--epochs", type=int, default=10)
-    train.add_argument("--allreduce", default="psum", help="gradient allreduce strategy: psum or manual")
+    train.add_argument("--warmup-steps", type=int, default=0, help="linear lr warmup from 0 over this many steps")
+    train.add_argument("--allreduce", default="psum",
+                       help="gradient allreduce strategy: psum, manual (star), manual_ring, ring or tree")
+    train.add_argument("--fuse", action="store_true",
+                       help="allreduce the gradients raveled into one buffer per dtype instead of one per leaf")
+    train.add_argument("--bucket-mb", type=float, default=None, metavar="M",
+                       help="with --fuse: buckets of at most M MB (like DDP's bucket_cap_mb) instead of one buffer")
     train.add_argument("--dataset", default="fashion_mnist", choices=["fashion_mnist", "tfds", "synthetic"])
     train.add_argument("--data-dir", default=None,
                        help="folder with the four IDX files (default: $JDP_DATA_DIR, ../shared/data/fashion-mnist, "
@@ -36,22 +50,74 @@ def build_parser() -> argparse.ArgumentParser:
                        help="evaluate split over all devices (psum of counts) or on the first device only")
     train.add_argument("--out", default=None, help="write history.json and accuracy.png here")
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
+    train.add_argument("--model-impl", default="fast", choices=["fast", "reference"],
+                       help="LeNet formulation: fast (jdp.lenet_fast) or the lesson's reference; same math")
+    train.add_argument("--steps-per-call", type=int, default=1, metavar="S",
+                       help="train steps per compiled call (unrolled); needs a collective allreduce strategy")
+    train.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                       help="save params, optimizer and data-order state here (atomically; the last two kept)")
+    train.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+                       help="save every STEPS steps (default: at the end of every epoch)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest intact checkpoint in --checkpoint-dir")
+    train.add_argument("--check-replicas", type=int, default=None, metavar="N",
+                       help="every N steps, stop unless all replicas are bit-identical")
+    add_backend_flag(train)
+    train.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="multi-process: address of process 0's coordination service (with --num-processes "
+                       "and --process-id; none of the three inside a SLURM/MPI job: detected)")
+    train.add_argument("--num-processes", type=int, default=None, help="multi-process: processes in the job")
+    train.add_argument("--process-id", type=int, default=None, help="multi-process: this process's index, from 0")
     train.set_defaults(run=run_train)
+
+    bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side in one run")
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    # each benchmark module adds its own subcommand here: add_parser(benchmarks, add_device_flags)
+    from jdp import bench_allreduce
+
+    bench_allreduce.add_parser(benchmarks, add_device_flags)  # `bench allreduce`, `bench step`
+    from jdp import bench_train
+
+    bench_train.add_parser(benchmarks, add_device_flags)  # `bench train`
+
+    launch = commands.add_parser(
+        "launch", help="run a multi-process job on this machine over loopback (simulated CPU devices)",
+        description="Start P processes of COMMAND on 127.0.0.1, each with its own --process-id, "
+        "forward their output prefixed [pI], and stop them all as soon as one fails.",
+        usage="jdp launch --num-processes P --cpu-devices-per-process N [--timeout S] -- jdp train ...",
+    )
+    launch.add_argument("--num-processes", type=int, required=True, help="processes to start")
+    launch.add_argument("--cpu-devices-per-process", type=int, default=1, help="CPU devices each one simulates")
+    launch.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
+    launch.add_argument("job", nargs=argparse.REMAINDER, help="-- and the command, e.g. -- jdp train --epochs 1")
+    launch.set_defaults(run=run_launch)
     return parser
+
+
+def add_backend_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="pmap", choices=["pmap", "shard_map"],
+                        help="map the step with jax.pmap, or jax.jit(jax.shard_map) over a 1-D mesh")
 
 
 def add_device_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=None, help="number of devices to use (default: all)")
     parser.add_argument("--cpu-devices", type=int, default=None,
                         help="simulate N CPU devices (set before JAX starts); for machines without accelerators")
+    parser.add_argument("--no-xla-flags", action="store_true",
+                        help="do not set jdp's XLA performance flags (see jdp/xla_flags.py; also JDP_NO_XLA_FLAGS=1)")
 
 
 def setup_devices(args: argparse.Namespace):
-    """Simulates CPU devices if asked, then selects the devices (this is where JAX starts)."""
-    from jdp import devices
+    """Simulates CPU devices if asked, joins a multi-process job if there is one, then selects the
+    devices (this is where JAX starts): with several processes, `--devices` of each, in process order."""
+    from jdp import devices, distributed, xla_flags
 
+    xla_flags.enable(disabled=args.no_xla_flags)  # XLA reads its flags once, when the backend starts
     if args.cpu_devices is not None:
         devices.simulate_cpu_devices(args.cpu_devices)
+    job = [getattr(args, name, None) for name in ("coordinator", "num_processes", "process_id")]
+    if distributed.initialize(*job):
+        return distributed.global_devices(args.devices)
     return devices.select_devices(args.devices)
 
 
@@ -71,14 +137,18 @@ def _check_out_dir(out: str | None) -> Path | None:
 def run_train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from jdp import data, plot
+    from jdp import checkpoint, data, plot
     from jdp.devices import describe
     from jdp.train import TrainConfig, train
 
     config = TrainConfig(batch_size=args.batch_size, lr=args.lr, epochs=args.epochs,
-                         allreduce=args.allreduce, seed=args.seed, eval_on=args.eval_on)
+                         allreduce=args.allreduce, fuse=args.fuse, bucket_mb=args.bucket_mb,
+                         seed=args.seed, eval_on=args.eval_on,
+                         warmup_steps=args.warmup_steps, model_impl=args.model_impl,
+                         steps_per_call=args.steps_per_call, backend=args.backend)
     config.validate()
     out = _check_out_dir(args.out)
+    checkpoint.check_options(args.checkpoint_dir, args.checkpoint_every, args.resume)
     devices = setup_devices(args)
     dataset = data.load(args.dataset, args.data_dir, seed=args.seed)
 
@@ -91,11 +161,13 @@ def run_train(args: argparse.Namespace) -> int:
 
     import jax
 
-    _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress)
+    _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress,
+                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                       resume=args.resume, check_replicas=args.check_replicas)
     test_acc = [r.test_acc for r in history]
     sec_per_epoch = sum(r.seconds for r in history) / len(history)
     print(f"test acc: {test_acc[-1]:.2f}, {sec_per_epoch:.1f} sec/epoch on [{', '.join(describe(devices))}]")
-    if out is not None:
+    if out is not None and jax.process_index() == 0:  # one writer per multi-process job
         record = {
             "config": {k: v for k, v in vars(args).items() if k not in ("run", "command")},
             "devices": describe(devices),
@@ -109,14 +181,28 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_launch(args: argparse.Namespace) -> int:
+    from jdp.launch import launch
+
+    job = args.job[1:] if args.job[:1] == ["--"] else args.job
+    return launch(job, args.num_processes, args.cpu_devices_per_process, timeout=args.timeout)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    log = logging.getLogger("jdp")
+    notes, level = logging.StreamHandler(sys.stderr), log.level
+    log.addHandler(notes)  # jdp's notes (resuming, a skipped damaged checkpoint) go to stderr
+    log.setLevel(logging.INFO)
     try:
         return args.run(args)
     except JdpError as e:
         print(f"jdp: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        log.removeHandler(notes)
+        log.setLevel(level)
 
 
 if __name__ == "__main__":

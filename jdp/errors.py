@@ -19,3 +19,7 @@ class DataError(JdpError, ValueError):
 
 class DeviceError(JdpError, RuntimeError):
     """The requested devices do not exist or can no longer be configured."""
+
+
+class TrainingError(JdpError, RuntimeError):
+    """A run stopped because its numbers went wrong (non-finite values, replicas that diverged)."""

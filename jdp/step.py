@@ -3,6 +3,8 @@
 Train step, per device: forward/backward on its shard of the batch (loss summed over the shard),
 allreduce the gradients (sum over devices), divide by the FULL batch size, one optax update.
 Every device applies the same update to the same params, so the replicas stay identical.
+Two backends map that program over the devices, of one process or several (see `jdp.distributed`):
+`jax.pmap`, and `jax.jit(jax.shard_map(...))` over a 1-D mesh.
 """
 
 from collections.abc import Callable, Sequence
@@ -12,10 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
-from jdp.allreduce import Allreduce
+from jdp.allreduce import STRATEGIES, Allreduce
+from jdp.distributed import Backend, check_backend, local_copy, mesh, process_rows, put_rows
+from jdp.errors import ConfigError
 from jdp.inflight import InFlight
-from jdp.placement import AXIS, shard_leading, unreplicate
+from jdp.placement import AXIS
 
 PyTree = Any
 ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
@@ -44,20 +49,43 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     allreduce: Allreduce,
     devices: Sequence[jax.Device],
+    backend: Backend = "pmap",
 ) -> TrainStep:
-    """Builds the pmapped train step.
+    """Builds the data-parallel train step, mapped once over `devices` by `backend`.
+
+    Both backends run the same per-device program (the strategy is the one and only sum of the
+    gradients); they differ in how arrays are laid out (see `jdp.distributed`):
+
+    * ``pmap``: `jax.pmap`; params/opt_state (k, ...) with a leading device axis, batch (k, B/k, ...).
+    * ``shard_map``: `jax.jit(jax.shard_map(...))` over a 1-D mesh; params/opt_state replicated with
+      `P()`, batch (B, ...) sharded with `P('data')`.
+
+    With either, `devices` may span several processes (`jdp.distributed`); `jax.pmap` then returns
+    each process's part of its outputs, `jit` global arrays.
 
     Args:
       loss_fn: (params, images, labels) -> loss summed over the images.
       optimizer: applied to the mean gradient of the full batch.
       allreduce: how the per-device gradient sums are added up.
-      devices: the devices the step runs on; inputs carry a leading axis of len(devices).
+      devices: the devices the step runs on (the mesh, in order).
+      backend: "pmap" or "shard_map".
 
     Returns:
-      step(params, opt_state, images, labels) -> (params, opt_state, losses): params and
-      opt_state replicated, images/labels split with `split_batch`, losses the per-device sums.
+      step(params, opt_state, images, labels) -> (params, opt_state, losses): inputs placed with
+      `jdp.distributed.put_replicated` / `put_batch` for `backend`, losses the per-device sums, shape (k,).
       params and opt_state are donated: do not reuse the arrays passed in.
+
+    Raises:
+      ConfigError: for an unknown backend, or an "outside" strategy over devices of several processes.
     """
+    check_backend(backend)
+    if allreduce.where == "outside" and any(d.process_index != jax.process_index() for d in devices):
+        inside = ", ".join(name for name, s in STRATEGIES.items() if s.where == "inside")
+        raise ConfigError(
+            f"`--allreduce {allreduce.name}` copies buffers between devices with `jax.device_put`, which only "
+            f"reaches this process's devices, but the step spans {jax.process_count()} processes. "
+            f"Use a collective strategy instead: {inside}."
+        )
     k = len(devices)
     grad_fn = jax.value_and_grad(loss_fn)
 
@@ -65,6 +93,9 @@ def make_train_step(
         grads = jax.tree.map(lambda g: g / (local_batch * k), grad_sum)  # divide by the FULL batch
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
+
+    if backend == "shard_map":
+        return _shard_map_step(grad_fn, update, allreduce, devices)
 
     if allreduce.where == "inside":
 
@@ -91,6 +122,63 @@ def make_train_step(
     return step
 
 
+def _shard_map_step(grad_fn, update, allreduce: Allreduce, devices: Sequence[jax.Device]) -> TrainStep:
+    """The step as `jit(shard_map(...))`: params `P()`, batch `P('data')`.
+
+    The double count. Inside `shard_map` with `check_vma=True`, params specified `P()` are typed
+    invariant over the axis and the batch varying; differentiating the loss w.r.t. such params makes
+    autodiff insert the transpose of the implicit broadcast, a psum: the gradients come out ALREADY
+    summed over devices, and any strategy on top sums them again (psum: k times the gradient).
+    jdp's strategies are the object of study and each must be the one and only reduction, applied to
+    each device's local gradient sum; strategies built from `ppermute` (ring, tree) also return values
+    that are equal on every device but typed varying, which `check_vma=True` refuses to return as `P()`.
+    So the step is mapped with `check_vma=False`: autodiff adds no psum, exactly as under `jax.pmap`
+    (itself `jit(shard_map(..., check_vma=False))`). `test_backends.py` fails if gradients are summed twice.
+
+    "Outside" strategies keep params `P()` too: the per-device gradients leave the step as one (k, ...)
+    array sharded `P('data')` (slice i on device i), the layout those strategies consume and return;
+    the update then takes each device's slice. Their results are bit-identical on every device, which
+    is what lets the update return params as `P()` without a check.
+    """
+    m = mesh(devices)
+    batch, replicated = P(AXIS), P()
+
+    def shard_map(fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=m, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    if allreduce.where == "inside":
+
+        def local_step(params, opt_state, images, labels):
+            loss, grads = grad_fn(params, images, labels)  # this device's gradient sum (no implicit psum)
+            grads = allreduce.fn(grads, AXIS)  # the one reduction over the devices
+            params, opt_state = update(params, opt_state, grads, images.shape[0])
+            return params, opt_state, loss[None]
+
+        mapped = shard_map(local_step, (replicated, replicated, batch, batch), (replicated, replicated, batch))
+        return jax.jit(mapped, donate_argnums=(0, 1))
+
+    def local_grads(params, images, labels):
+        loss, grads = grad_fn(params, images, labels)
+        return loss[None], jax.tree.map(lambda g: g[None], grads)  # stacked: (k, ...) over the devices
+
+    def local_update(params, opt_state, grads, images):
+        return update(params, opt_state, jax.tree.map(lambda g: g[0], grads), images.shape[0])
+
+    s_grads = jax.jit(shard_map(local_grads, (replicated, batch, batch), (batch, batch)))
+    s_update = jax.jit(
+        shard_map(local_update, (replicated, replicated, batch, batch), (replicated, replicated)),
+        donate_argnums=(0, 1),
+    )
+
+    def step(params, opt_state, images, labels):
+        loss, grads = s_grads(params, images, labels)  # per-device gradients leave the device step
+        grads = allreduce.fn(grads)  # explicit transfers between devices
+        params, opt_state = s_update(params, opt_state, grads, images)
+        return params, opt_state, loss
+
+    return step
+
+
 Evaluator = Callable[[PyTree, np.ndarray, np.ndarray], float]
 
 
@@ -100,36 +188,47 @@ def make_evaluator(
     batch_size: int = 1000,
     *,
     on_all_devices: bool = True,
+    backend: Backend = "pmap",
 ) -> Evaluator:
     """Builds `evaluate(params, images, labels) -> accuracy`, compiled once and reused every epoch.
 
     With `on_all_devices`, each batch is split over the devices and the correct counts are summed
     with `lax.psum`; the last partial batch is padded and masked, so the count is exactly the one
-    a single device computes. Otherwise the first device evaluates everything (the lesson's way).
+    a single device computes. Otherwise the first device evaluates everything (the lesson's way;
+    with several processes, each evaluates on its own first device).
 
     Args:
       apply_fn: (params, images) -> logits.
       devices: the devices holding the replicated params.
       batch_size: images per evaluation batch, rounded up to a multiple of len(devices).
       on_all_devices: split evaluation over all devices, or use only the first.
+      backend: the layout of the params, as the train step of that backend holds them.
 
     Returns:
-      evaluate(params, images, labels): params replicated as the train step holds them.
+      evaluate(params, images, labels): params replicated as the train step holds them; every
+      process passes the whole evaluation set.
     """
+    check_backend(backend)
     k = len(devices) if on_all_devices else 1
     batch_size = -(-batch_size // k) * k
+    local = lambda params: params  # noqa: E731
+    place = lambda a: put_rows(a[process_rows(len(a), devices)], len(a), devices, backend)  # noqa: E731
 
-    if on_all_devices:
+    if not on_all_devices:
+        first = next(d for d in devices if d.process_index == jax.process_index())
+        count_fn = jax.jit(lambda p, x, y, m: _correct(apply_fn, p, x, y, m))
+        place = lambda a: jax.device_put(a, first)  # noqa: E731
+        local = lambda params: jax.device_put(local_copy(params, backend), first)  # noqa: E731
+    elif backend == "pmap":
         count_fn = jax.pmap(
             lambda p, x, y, m: jax.lax.psum(_correct(apply_fn, p, x, y, m), AXIS),  # sum of counts
             axis_name=AXIS, devices=devices,
         )
-        place = lambda a: shard_leading(a, devices)  # noqa: E731
-        local = lambda params: params  # noqa: E731
     else:
-        count_fn = jax.jit(lambda p, x, y, m: _correct(apply_fn, p, x, y, m))
-        place = lambda a: jax.device_put(a, devices[0])  # noqa: E731
-        local = unreplicate
+        count_fn = jax.jit(jax.shard_map(
+            lambda p, x, y, m: jax.lax.psum(_correct(apply_fn, p, x, y, m), AXIS),  # sum of counts
+            mesh=mesh(devices), in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)), out_specs=P(),
+        ))
 
     def evaluate(params: PyTree, images: np.ndarray, labels: np.ndarray) -> float:
         params, window, counts = local(params), InFlight(), []
@@ -139,7 +238,7 @@ def make_evaluator(
             counts.append(count_fn(params, place(x), place(y), place(mask)))
             window.push(counts[-1])
         window.drain()
-        return sum(int(np.asarray(c).reshape(-1)[0]) for c in counts) / len(images)
+        return sum(int(np.asarray(c.addressable_data(0)).reshape(-1)[0]) for c in counts) / len(images)
 
     return evaluate
 
@@ -156,14 +255,3 @@ def _padded(x: np.ndarray, y: np.ndarray, size: int) -> tuple[np.ndarray, np.nda
 def _correct(apply_fn: ApplyFn, params, x, y, mask) -> jax.Array:
     hits = (jnp.argmax(apply_fn(params, x), axis=-1) == y) & mask
     return hits.sum(dtype=jnp.int32)
-
-
-def _all_devices_counter(apply_fn: ApplyFn, devices: Sequence[jax.Device]):
-    def count(params, x, y, mask):
-        return jax.lax.psum(_correct(apply_fn, params, x, y, mask), AXIS)  # sum of correct counts
-
-    return jax.pmap(count, axis_name=AXIS, devices=devices)
-
-
-def _one_device_counter(apply_fn: ApplyFn):
-    return jax.jit(lambda params, x, y, mask: _correct(apply_fn, params, x, y, mask))

@@ -6,19 +6,20 @@ files are the caller's (the CLI's) business, passed in as callbacks.
 """
 
 import dataclasses
+import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
+import optax
 
 from jdp import allreduce as allreduce_lib
-from jdp import lenet
-from jdp.data import Dataset, Split
+from jdp import checkpoint, distributed, guards, lenet
+from jdp.data import Dataset
 from jdp.errors import ConfigError
-from jdp.inflight import InFlight
-from jdp.placement import replicate, split_batch, unreplicate
+from jdp.lenet_fast import IMPLEMENTATIONS
+from jdp.pipeline import make_epoch_runner
 from jdp.step import make_evaluator, make_train_step, sgd, summed_cross_entropy
 
 PyTree = Any
@@ -32,19 +33,32 @@ class TrainConfig:
     lr: float = 0.2
     epochs: int = 10
     allreduce: str = "psum"
+    fuse: bool = False  # allreduce the gradients raveled into few buffers instead of one per leaf
+    bucket_mb: float | None = None  # with `fuse`: largest bucket in MB; None: one buffer per dtype
     seed: int = 0
     eval_on: str = "all"  # "all": split evaluation over the devices; "device0": the lesson's way
+    warmup_steps: int = 0  # ramp the lr linearly from 0 over this many steps (Goyal et al. 2017)
+    model_impl: str = "fast"  # a key of jdp.lenet_fast.IMPLEMENTATIONS: same math, "reference" is the lesson's
+    steps_per_call: int = 1  # train steps per compiled call (unrolled); > 1 needs a collective strategy
+    backend: str = "pmap"  # "pmap" or "shard_map": how the step is mapped over the devices (jdp.step)
 
     def validate(self) -> None:
         """Raises ConfigError naming the first bad field."""
         for name in ("batch_size", "epochs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"`--{name.replace('_', '-')}` must be a positive integer, got {getattr(self, name)}.")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"`--warmup-steps` must be >= 0, got {self.warmup_steps}.")
         if not self.lr > 0:
             raise ConfigError(f"`--lr` must be positive, got {self.lr}.")
         if self.eval_on not in ("all", "device0"):
             raise ConfigError(f"`--eval-on` must be `all` or `device0`, got `{self.eval_on}`.")
-        allreduce_lib.get(self.allreduce)
+        if self.model_impl not in IMPLEMENTATIONS:
+            raise ConfigError(f"`--model-impl` must be one of {', '.join(IMPLEMENTATIONS)}, got `{self.model_impl}`.")
+        if self.steps_per_call < 1:
+            raise ConfigError(f"`--steps-per-call` must be a positive integer, got {self.steps_per_call}.")
+        allreduce_lib.get(self.allreduce, fuse=self.fuse, bucket_mb=self.bucket_mb)
+        distributed.check_backend(self.backend)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +69,11 @@ class EpochRecord:
     seconds: float  # wall time of the epoch's training loop only
 
 
-def epoch_batches(split: Split, batch_size: int, key: jax.Array) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Full batches of a fresh permutation (the last partial batch is dropped: shapes stay static)."""
-    order = np.asarray(jax.random.permutation(key, len(split.labels)))
-    for start in range(0, len(order) - batch_size + 1, batch_size):
-        idx = order[start:start + batch_size]
-        yield split.images[idx], split.labels[idx]
+def learning_rate(config: TrainConfig) -> float | optax.Schedule:
+    """The constant lr, or a linear warmup from 0 to it over `warmup_steps` steps, then constant."""
+    if config.warmup_steps == 0:
+        return config.lr
+    return optax.linear_schedule(0.0, config.lr, config.warmup_steps)
 
 
 def check_fits(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device]) -> None:
@@ -84,6 +97,10 @@ def train(
     *,
     on_epoch: Callable[[EpochRecord], None] = lambda record: None,
     progress: Callable[[Iterable, int], Iterable] = lambda batches, total: batches,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
+    check_replicas: int | None = None,
 ) -> tuple[PyTree, list[EpochRecord]]:
     """Trains the lesson's LeNet data-parallel on `devices`.
 
@@ -93,46 +110,67 @@ def train(
       devices: where the replicas live.
       on_epoch: called with each epoch's record as soon as it is known.
       progress: wraps each epoch's batch iterator (e.g. a progress bar); gets the step count.
+      checkpoint_dir: save checkpoints here (see `jdp.checkpoint`); None: none.
+      checkpoint_every: save every this many steps; None: at the end of every epoch.
+      resume: continue from the newest intact checkpoint in `checkpoint_dir`, if any.
+      check_replicas: every this many steps, stop unless all replicas are bit-identical.
 
     Returns:
-      (params, history): the first replica's params and one record per epoch.
+      (params, history): the first replica's params and one record per epoch (with a resumed
+      run's earlier epochs; the epoch resumed mid-way times only its part run here).
+
+    Raises:
+      ConfigError: for a bad setting, or a checkpoint this run cannot resume.
+      TrainingError: on a non-finite loss or update, or replicas that diverged (see `jdp.guards`).
     """
     config.validate()
     check_fits(config, dataset, devices)
+    checkpoint.check_options(checkpoint_dir, checkpoint_every, resume)
+    if check_replicas is not None and check_replicas < 1:
+        raise ConfigError(f"`--check-replicas` must be a positive number of steps, got {check_replicas}.")
     init_key, data_key = jax.random.split(jax.random.key(config.seed))
-    optimizer = sgd(config.lr)
+    optimizer = sgd(learning_rate(config))
     params = lenet.init(init_key)
-    state = replicate(params, devices), replicate(optimizer.init(params), devices)
-    step = make_train_step(
-        summed_cross_entropy(lenet.apply), optimizer, allreduce_lib.get(config.allreduce), devices
-    )
-    evaluate = make_evaluator(lenet.apply, devices, on_all_devices=config.eval_on == "all")
     steps_per_epoch = len(dataset.train.labels) // config.batch_size
-    history = []
-    for epoch in range(1, config.epochs + 1):
-        batches = epoch_batches(dataset.train, config.batch_size, jax.random.fold_in(data_key, epoch))
+    keeper = checkpoint.Keeper(
+        checkpoint_dir, checkpoint_every,
+        checkpoint.describe_run(config, dataset, len(devices)) if checkpoint_dir is not None else None,
+        steps_per_epoch, guards.Watch(params, check_replicas),
+        lambda tree: distributed.local_copy(tree, config.backend), jax.random.key_data(data_key),
+    )
+    arrays = {"params": params, "opt_state": optimizer.init(params), "data_key": keeper.data_key}
+    if resume:
+        arrays = keeper.resume(arrays, config.epochs)
+    data_key = jax.random.wrap_key_data(arrays["data_key"])
+    state = tuple(distributed.put_replicated(arrays[t], devices, config.backend) for t in ("params", "opt_state"))
+    strategy = allreduce_lib.get(config.allreduce, fuse=config.fuse, bucket_mb=config.bucket_mb)
+    apply_fn = IMPLEMENTATIONS[config.model_impl]
+    step = make_train_step(summed_cross_entropy(apply_fn), optimizer, strategy, devices, backend=config.backend)
+    evaluate = make_evaluator(apply_fn, devices, on_all_devices=config.eval_on == "all", backend=config.backend)
+    if config.backend == "pmap" and jax.process_count() == 1:
+        run_epoch = make_epoch_runner(step, dataset.train, devices, config.batch_size,
+                                      steps_per_call=config.steps_per_call, traceable=strategy.where == "inside")
+    else:  # each process feeds its rows of every batch from the host
+        run_epoch = distributed.make_epoch_runner(step, dataset.train, devices, config.batch_size, config.backend,
+                                                  steps_per_call=config.steps_per_call)
+    for epoch in range(keeper.epoch, config.epochs + 1):
         start = time.perf_counter()
-        state, losses = _run_epoch(step, state, progress(batches, steps_per_epoch), devices)
+        state, _ = run_epoch(state, jax.random.fold_in(data_key, epoch), progress,
+                             start=keeper.batches_done, after_call=keeper.after_call)
         seconds = time.perf_counter() - start
         record = EpochRecord(
             epoch=epoch,
-            train_loss=float(sum(np.asarray(l).sum() for l in losses)) / (len(losses) * config.batch_size),
+            train_loss=float(keeper.epoch_loss()) / (steps_per_epoch * config.batch_size),
             test_acc=evaluate(state[0], dataset.test.images, dataset.test.labels),
             seconds=seconds,
         )
-        history.append(record)
+        keeper.end_epoch(state, dataclasses.asdict(record), last=epoch == config.epochs)
         on_epoch(record)
-    return unreplicate(state[0]), history
+    return distributed.local_copy(state[0], config.backend), [EpochRecord(**r) for r in keeper.history]
 
 
-def _run_epoch(step, state, batches, devices):
-    """One pass over `batches`, at most two steps in flight; returns the state and per-step losses."""
-    params, opt_state = state
-    window, losses = InFlight(limit=2), []
-    for images, labels in batches:
-        x, y = split_batch(images, labels, devices)
-        params, opt_state, loss = step(params, opt_state, x, y)
-        window.push(loss)
-        losses.append(loss)
-    window.drain()
-    return (params, opt_state), losses
+def checkpoint_target(config: TrainConfig) -> PyTree:
+    """The structure, shapes and dtypes of the arrays `train` checkpoints, e.g. for `jdp.checkpoint.load`."""
+    params = lenet.init(jax.random.key(0))
+    return {"params": params, "opt_state": sgd(learning_rate(config)).init(params),
+            "data_key": jax.random.key_data(jax.random.key(0))}

@@ -1,0 +1,44 @@
+"""What every experiment script shares: flags, devices, data, and writing JSON + markdown outputs."""
+
+import argparse
+import json
+import platform
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "fashion-mnist"
+
+
+def parser(description: str, default_out: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="seconds-long smoke run on synthetic data (what the tests run)")
+    p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="folder with the four Fashion-MNIST IDX files")
+    p.add_argument("--out", default=default_out, help="where to write the JSON, PNG and markdown table")
+    return p
+
+
+def machine() -> str:
+    """One line naming the CPU and core count, recorded next to every measurement."""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or platform.machine()
+    cores = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip() or "?"
+    return f"{model}, {cores} cores, {platform.system()} (no GPU; devices are simulated CPU devices)"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out: Path, name: str, record: dict, table: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / f"{name}.md").write_text(table)
+    print(table)
+    print(f"wrote {out / (name + '.json')}, {out / (name + '.md')}")

@@ -1,0 +1,261 @@
+"""`jdp bench train`: jdp's training epoch against the compute floor, measured in one run.
+
+For each device count k (1, 2 and all of them) at the same global batch:
+
+(a) epoch: jdp's training loop (`jdp.pipeline.make_epoch_runner` driving `jdp.step.make_train_step`,
+    exactly what `jdp train` times) over `--steps` batches of the training set;
+(b) floor: the same compiled step called `--steps` times on one batch already on the devices, with the
+    same bounded in-flight window: all the loop could hope for;
+(c) overhead = a / b; (d) images/s of (a);
+(e) achieved FLOP/s = the lesson's model FLOPs per image × images/s, as a fraction of a float32 matmul
+    peak measured in the same run;
+(f) each k's epoch time relative to 1 device's.
+
+The rounds alternate epoch and floor and each keeps its fastest, so load from other processes
+on a shared machine biases both alike; compare ratios from one run, not absolute figures.
+"""
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jdp import allreduce, data, lenet
+from jdp.errors import ConfigError
+from jdp.inflight import InFlight
+from jdp.lenet_fast import IMPLEMENTATIONS
+from jdp.pipeline import make_epoch_runner
+from jdp.placement import replicate, split_batch
+from jdp.step import make_train_step, sgd, summed_cross_entropy
+
+FULL_EPOCH_IMAGES = 60_000  # Fashion-MNIST's training set: sec/epoch is extrapolated to it
+TARGETS = {"max_overhead_1_2_devices": 1.10, "min_images_per_s_1_device": 3300.0, "max_k_vs_1_device": 1.3}
+
+
+def add_parser(
+    benchmarks: argparse._SubParsersAction, add_device_flags: Callable[[argparse.ArgumentParser], None]
+) -> None:
+    """Adds `train` to the `jdp bench` subcommands."""
+    p = benchmarks.add_parser(
+        "train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="time jdp's training epoch against the compute floor on 1, 2 and all devices",
+        description="Time jdp's training loop against the same compiled step looped over pre-placed data "
+        "(the compute floor), report overhead, images/s, FLOP/s as a fraction of a matmul peak measured "
+        "in the same run, and 1 vs 2 vs all devices at the same global batch.",
+    )
+    add_device_flags(p)
+    p.add_argument("--batch-size", type=int, default=256, help="global batch, split over the devices")
+    p.add_argument("--steps", type=int, default=40, help="batches per timed epoch and floor (sec/epoch extrapolated)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating epoch/floor rounds per device count (min kept)")
+    p.add_argument("--model-impl", default="fast", choices=list(IMPLEMENTATIONS), help="LeNet formulation")
+    p.add_argument("--steps-per-call", type=int, default=1, metavar="S", help="train steps per compiled call")
+    p.add_argument("--dataset", default="fashion_mnist", choices=["fashion_mnist", "synthetic"],
+                   help="training images to time on (their values do not change the timing)")
+    p.add_argument("--data-dir", default=None, help="folder with the four IDX files (default: as `jdp train`)")
+    p.add_argument("--out", default=None, metavar="DIR", help="write bench_train.json here")
+    p.set_defaults(run=run_train_bench)
+
+
+def flops_per_image() -> float:
+    """FLOPs of one forward and backward pass of the lesson's LeNet, counted on its own math.
+
+    Forward: 2 FLOPs per multiply-add of each convolution (26²·20 outputs of 3·3·1, 9²·50 outputs of
+    5·5·20) and dense layer; backward ≈ 2 × forward (input and weight gradients), ≈ 13.5 MFLOP in all.
+    The fast formulation skips outputs the pooling drops, so it does less than this useful work.
+    """
+    conv1 = 26 * 26 * 20 * (3 * 3 * 1)
+    conv2 = 9 * 9 * 50 * (5 * 5 * 20)
+    dense = 800 * 128 + 128 * 10
+    return 3 * 2 * float(conv1 + conv2 + dense)
+
+
+def matmul_peak(device: jax.Device, n: int = 1024, repeats: int = 10) -> float:
+    """Best float32 FLOP/s of an n×n by n×n matmul on `device`, compiled and warmed up first."""
+    a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n)), device)
+    matmul = jax.jit(jnp.matmul)
+    jax.block_until_ready(matmul(a, a))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(matmul(a, a))
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def measure(
+    devices: Sequence[jax.Device],
+    split: data.Split,
+    *,
+    batch_size: int,
+    steps: int,
+    rounds: int,
+    model_impl: str = "fast",
+    steps_per_call: int = 1,
+) -> dict[str, Any]:
+    """Seconds of `steps` steps of jdp's epoch loop and of the compute floor, on `devices`.
+
+    Returns:
+      {"epoch_s", "floor_s", "epoch_cpu_s", "floor_cpu_s"}: one wall-clock and one CPU time (this
+      process, all threads) per round each, after a warm-up of both.
+    """
+    optimizer = sgd(0.2)
+    step = make_train_step(summed_cross_entropy(IMPLEMENTATIONS[model_impl]), optimizer,
+                           allreduce.get("psum"), devices)
+    part = data.Split(split.images[:steps * batch_size], split.labels[:steps * batch_size])
+    run_epoch = make_epoch_runner(step, part, devices, batch_size, steps_per_call=steps_per_call)
+    x, y = split_batch(part.images[:batch_size], part.labels[:batch_size], devices)
+    params = lenet.init(jax.random.key(0))
+    state = replicate(params, devices), replicate(optimizer.init(params), devices)
+
+    def floor(state, count):
+        (params, opt_state), window = state, InFlight(limit=2)
+        for _ in range(count):
+            params, opt_state, loss = step(params, opt_state, x, y)
+            window.push(loss)
+        window.drain()
+        return params, opt_state
+
+    def epoch(state, seed):
+        state, _ = run_epoch(state, jax.random.key(seed), lambda calls, total: calls)
+        return state
+
+    state = epoch(floor(state, 2), 0)  # compile both
+    times: dict[str, list[float]] = {"epoch_s": [], "floor_s": [], "epoch_cpu_s": [], "floor_cpu_s": []}
+    for r in range(rounds):
+        for name, run in (("floor", lambda s: floor(s, steps)), ("epoch", lambda s, r=r: epoch(s, r + 1))):
+            start, cpu = time.perf_counter(), time.process_time()
+            state = run(state)
+            times[f"{name}_s"].append(time.perf_counter() - start)
+            times[f"{name}_cpu_s"].append(time.process_time() - cpu)
+    return times
+
+
+def bench_train(
+    devices: Sequence[jax.Device],
+    split: data.Split,
+    *,
+    batch_size: int = 256,
+    steps: int = 40,
+    rounds: int = 3,
+    model_impl: str = "fast",
+    steps_per_call: int = 1,
+) -> dict[str, Any]:
+    """Measures 1, 2 and len(devices) devices (those dividing `batch_size`) and derives the ratios.
+
+    Returns:
+      {"matmul_peak_flops", "flops_per_image", "results": [one row per device count], "targets"}.
+    """
+    counts = sorted({k for k in (1, 2, len(devices)) if k <= len(devices) and batch_size % k == 0})
+    peak = matmul_peak(devices[0])
+    per_image = flops_per_image()
+    rows = []
+    for k in counts:
+        times = measure(devices[:k], split, batch_size=batch_size, steps=steps, rounds=rounds,
+                        model_impl=model_impl, steps_per_call=steps_per_call)
+        epoch_s, floor_s = min(times["epoch_s"]), min(times["floor_s"])
+        images_per_s = steps * batch_size / epoch_s
+        rows.append({
+            "devices": k, **times, "overhead": epoch_s / floor_s,
+            "overhead_cpu": min(times["epoch_cpu_s"]) / min(times["floor_cpu_s"]), "images_per_s": images_per_s,
+            "floor_images_per_s": steps * batch_size / floor_s,
+            "sec_per_epoch": epoch_s / steps * (FULL_EPOCH_IMAGES // batch_size),
+            "achieved_flops": per_image * images_per_s, "fraction_of_peak": per_image * images_per_s / peak,
+        })
+    for row in rows:
+        row["vs_1_device"] = row["sec_per_epoch"] / rows[0]["sec_per_epoch"]
+    return {"matmul_peak_flops": peak, "flops_per_image": per_image, "results": rows, "targets": check_targets(rows)}
+
+
+def check_targets(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The issue's targets, each with the measured value and whether it is met."""
+    by_k = {row["devices"]: row for row in rows}
+    most = max(by_k)
+    found = {
+        "max_overhead_1_2_devices": max(by_k[k]["overhead"] for k in (1, 2) if k in by_k),
+        "min_images_per_s_1_device": by_k[1]["images_per_s"],
+        "max_k_vs_1_device": by_k[most]["vs_1_device"],
+    }
+    met = {
+        "max_overhead_1_2_devices": found["max_overhead_1_2_devices"] <= TARGETS["max_overhead_1_2_devices"],
+        "min_images_per_s_1_device": found["min_images_per_s_1_device"] >= TARGETS["min_images_per_s_1_device"],
+        "max_k_vs_1_device": found["max_k_vs_1_device"] <= TARGETS["max_k_vs_1_device"],
+    }
+    return {name: {"target": TARGETS[name], "measured": found[name], "met": met[name],
+                   **({"devices": most} if name == "max_k_vs_1_device" else {})} for name in TARGETS}
+
+
+def format_table(record: dict[str, Any], header: str) -> str:
+    """The results as a fixed-width text table, the targets below it."""
+    columns = (f"{'devices':>7} {'epoch s':>8} {'floor s':>8} {'overhead':>8} {'(cpu)':>6} {'img/s':>7} {'floor img/s':>11} "
+               f"{'s/epoch':>8} {'GFLOP/s':>8} {'of peak':>7} {'vs 1 dev':>8}")
+    lines = [header, columns]
+    for r in record["results"]:
+        lines.append(
+            f"{r['devices']:>7} {min(r['epoch_s']):>8.2f} {min(r['floor_s']):>8.2f} {r['overhead']:>8.3f} "
+            f"{r['overhead_cpu']:>6.3f} "
+            f"{r['images_per_s']:>7.0f} {r['floor_images_per_s']:>11.0f} {r['sec_per_epoch']:>8.2f} "
+            f"{r['achieved_flops'] / 1e9:>8.1f} {r['fraction_of_peak']:>7.1%} {r['vs_1_device']:>8.2f}"
+        )
+    lines.append(f"matmul peak {record['matmul_peak_flops'] / 1e9:.1f} GFLOP/s; "
+                 f"model {record['flops_per_image'] / 1e6:.2f} MFLOP/image (fwd+bwd); "
+                 "(cpu): the overhead in this process's CPU time, less sensitive to other processes' load")
+    for name, t in record["targets"].items():
+        lines.append(f"target {name} {t['target']}: measured {t['measured']:.3f} -> {'met' if t['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on, including how busy the machine was."""
+    model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return {
+        "cpu": model, "host_cpus": os.cpu_count(), "machine": platform.machine(),
+        "python": platform.python_version(), "jax_version": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_average": _read("/proc/loadavg").split()[:3],
+    }
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def run_train_bench(args: argparse.Namespace) -> int:
+    from jdp import cli
+
+    for name in ("batch_size", "steps", "rounds", "steps_per_call"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"`--{name.replace('_', '-')}` must be a positive integer, got {getattr(args, name)}.")
+    out = cli._check_out_dir(args.out)
+    devices = cli.setup_devices(args)
+    if args.dataset == "synthetic":
+        split = data.synthetic(jax.random.key(0), n_train=args.steps * args.batch_size, n_test=len(devices)).train
+    else:
+        split = data.load_idx(data.find_data_dir(args.data_dir, download=False)).train
+    if args.steps * args.batch_size > len(split.labels):
+        raise ConfigError(f"`--steps {args.steps}` × `--batch-size {args.batch_size}` exceeds the "
+                          f"{len(split.labels)} training images; use at most {len(split.labels) // args.batch_size} steps.")
+    before = machine()
+    record = bench_train(devices, split, batch_size=args.batch_size, steps=args.steps, rounds=args.rounds,
+                         model_impl=args.model_impl, steps_per_call=args.steps_per_call)
+    platform_name = devices[0].platform + (" (simulated)" if devices[0].platform == "cpu" and len(devices) > 1 else "")
+    header = (f"jdp bench train: LeNet ({args.model_impl}), global batch {args.batch_size}, {args.dataset}, "
+              f"{args.steps} steps per measurement, fastest of {args.rounds} rounds, {platform_name}, "
+              f"load average {' '.join(before['load_average'])}")
+    print(format_table(record, header), flush=True)
+    if out is not None:
+        record = {"benchmark": "train", "machine": before, "load_average_after": machine()["load_average"],
+                  "device_kind": devices[0].device_kind, "config": {
+                      k: v for k, v in vars(args).items() if k not in ("run", "command", "benchmark")}, **record}
+        (out / "bench_train.json").write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {out / 'bench_train.json'}")
+    return 0

@@ -1,0 +1,167 @@
+"""`jdp launch`: a multi-process job on this machine, over loopback, for trials without a cluster.
+
+It starts P copies of a command, each told its place in the job by appended flags
+(`--coordinator 127.0.0.1:PORT --num-processes P --process-id I --cpu-devices N`), forwards their
+output line by line with a `[pI]` prefix, and watches them. Once one process fails, the others
+would wait forever for it inside a collective, so they are stopped and the launcher exits non-zero
+naming the failed process. Interrupting the launcher (Ctrl-C, SIGTERM) stops them as well. On a real cluster, the cluster's own launcher (`srun`, `mpirun`) plays
+this part; see docs/distributed.md.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from jdp.errors import ConfigError
+
+HOST = "127.0.0.1"
+JOB_FLAGS = ("--coordinator", "--num-processes", "--process-id", "--cpu-devices")
+STOP_GRACE_S = 5.0  # how long a stopped process may take to exit on SIGTERM before SIGKILL
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port that was free on `host` a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def process_command(command: Sequence[str], port: int, num_processes: int, process_id: int,
+                    cpu_devices: int) -> list[str]:
+    """The command line of process `process_id`; a leading `jdp` runs with this interpreter."""
+    head = [sys.executable, "-m", "jdp"] if command[0] == "jdp" else list(command[:1])
+    return [*head, *command[1:], "--coordinator", f"{HOST}:{port}", "--num-processes", str(num_processes),
+            "--process-id", str(process_id), "--cpu-devices", str(cpu_devices)]
+
+
+def launch(
+    command: Sequence[str],
+    num_processes: int,
+    cpu_devices_per_process: int,
+    *,
+    timeout: float | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
+    """Runs `command` as processes 0..P−1 of one job on 127.0.0.1 and waits for all of them.
+
+    Args:
+      command: the program and its arguments, e.g. ["jdp", "train", "--backend", "shard_map"].
+      num_processes: P, the number of processes.
+      cpu_devices_per_process: CPU devices each process simulates (`--cpu-devices`).
+      timeout: seconds after which every process still running is stopped (None: no limit).
+      stdout, stderr: where the prefixed output goes (default: sys.stdout, sys.stderr).
+
+    Returns:
+      0 if every process exited 0; otherwise the failed process's exit status (1 if it was killed
+      by a signal or the job timed out), after stopping all the others.
+
+    Raises:
+      ConfigError: for an empty command, P or N below 1, or a command that sets the job flags itself.
+    """
+    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    if not command:
+        raise ConfigError("`jdp launch` needs a command after `--`, e.g. `jdp launch --num-processes 2 -- jdp train`.")
+    if num_processes < 1:
+        raise ConfigError(f"`--num-processes` must be at least 1, got {num_processes}.")
+    if cpu_devices_per_process < 1:
+        raise ConfigError(f"`--cpu-devices-per-process` must be at least 1, got {cpu_devices_per_process}.")
+    clash = [flag for flag in JOB_FLAGS if any(arg == flag or arg.startswith(flag + "=") for arg in command)]
+    if clash:
+        raise ConfigError(f"The launched command must not set {', '.join(f'`{f}`' for f in clash)}: "
+                          "`jdp launch` appends them for each process. Remove them.")
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    readers: list[threading.Thread] = []
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if on_main_thread:  # SIGTERM to the launcher stops the job too (the `finally` below runs)
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        for i in range(num_processes):
+            cmd = process_command(command, port, num_processes, i, cpu_devices_per_process)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=env, start_new_session=True)
+            procs.append(proc)
+            _say(f"process {i}: pid {proc.pid}", stderr, lock)
+            for pipe, target in ((proc.stdout, stdout), (proc.stderr, stderr)):
+                readers.append(threading.Thread(target=_forward, args=(pipe, f"[p{i}] ", target, lock), daemon=True))
+                readers[-1].start()
+        failure = _watch(procs, timeout)
+    finally:
+        _stop(procs)
+        for reader in readers:
+            reader.join(timeout=STOP_GRACE_S)
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    if failure is None:
+        return 0
+    index, code = failure
+    if index is None:
+        _say(f"the job timed out after {timeout:g} s; stopped all {num_processes} processes.", stderr, lock)
+        return 1
+    _say(f"process {index} (pid {procs[index].pid}) failed: {_describe(code)}; "
+         f"stopped the other {num_processes - 1} process(es).", stderr, lock)
+    return code if code > 0 else 1
+
+
+def _watch(procs: Sequence[subprocess.Popen], timeout: float | None) -> tuple[int | None, int] | None:
+    """Waits until all exit 0 (→ None), one fails (→ (index, status)) or time runs out (→ (None, 1))."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        codes = [proc.poll() for proc in procs]
+        for index, code in enumerate(codes):
+            if code not in (None, 0):
+                return index, code
+        if all(code == 0 for code in codes):
+            return None
+        if deadline is not None and time.monotonic() > deadline:
+            return None, 1
+        time.sleep(0.05)
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM to every process still running, SIGKILL to those still there after STOP_GRACE_S."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _forward(pipe: TextIO, prefix: str, target: TextIO, lock: threading.Lock) -> None:
+    for line in pipe:
+        with lock:
+            target.write(prefix + line)
+            target.flush()
+    pipe.close()
+
+
+def _say(message: str, target: TextIO, lock: threading.Lock) -> None:
+    with lock:
+        print(f"jdp launch: {message}", file=target, flush=True)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"

@@ -1,0 +1,66 @@
+"""Resident and host data paths train on exactly the batches of the lesson's host loop."""
+
+import jax
+import numpy as np
+import pytest
+
+from jdp import allreduce, data, lenet, pipeline
+from jdp.errors import ConfigError
+from jdp.placement import replicate, split_batch, unreplicate
+from jdp.step import make_train_step, sgd, summed_cross_entropy
+
+BATCH = 32
+OPTIMIZER = sgd(0.2)
+
+
+@pytest.fixture(scope="module")
+def split():
+    return data.synthetic(jax.random.key(1), n_train=168, n_test=8).train  # 5 full batches, 8 images left over
+
+
+def fresh_state(devices):
+    params = lenet.init(jax.random.key(0))
+    return replicate(params, devices), replicate(OPTIMIZER.init(params), devices)
+
+
+def host_loop(step, split, devices, key):
+    """The lesson's loop: copy each batch of `epoch_batches` from the host, one step per call."""
+    params, opt_state = fresh_state(devices)
+    total = 0.0
+    for x, y in pipeline.epoch_batches(split, BATCH, key):
+        params, opt_state, loss = step(params, opt_state, *split_batch(x, y, devices))
+        total += float(np.asarray(loss).sum())
+    return unreplicate(params), total
+
+
+@pytest.mark.parametrize(
+    ("resident", "strategy", "steps_per_call"),
+    [(True, "psum", 1), (True, "psum", 2), (True, "manual", 1), (False, "psum", 2), (False, "manual", 1)],
+)
+def test_runner_equals_the_host_loop(split, devices, resident, strategy, steps_per_call):
+    devices = devices[:2]
+    strategy = allreduce.get(strategy)
+    step = make_train_step(summed_cross_entropy(lenet.apply), OPTIMIZER, strategy, devices)
+    key = jax.random.key(5)
+    want_params, want_loss = host_loop(step, split, devices, key)
+    run = pipeline.make_epoch_runner(step, split, devices, BATCH, steps_per_call=steps_per_call,
+                                     traceable=strategy.where == "inside", resident=resident)
+    calls = []
+    (params, _), losses = run(fresh_state(devices), key, lambda it, total: calls.append(total) or it)
+    assert calls == [-(-5 // steps_per_call)]  # 2 steps per call: calls of 2, 2 and 1
+    assert sum(np.asarray(l).size for l in losses) == 5 * 2  # one loss per step and device
+    np.testing.assert_allclose(sum(float(np.asarray(l).sum()) for l in losses), want_loss, rtol=1e-6)
+    for name, want in want_params.items():
+        np.testing.assert_allclose(params[name][0], want, rtol=1e-6, atol=1e-8, err_msg=name)
+
+
+def test_several_steps_per_call_need_a_collective_strategy(split, devices):
+    step = make_train_step(summed_cross_entropy(lenet.apply), OPTIMIZER, allreduce.get("manual"), devices[:2])
+    with pytest.raises(ConfigError, match="`--steps-per-call 2`"):
+        pipeline.make_epoch_runner(step, split, devices[:2], BATCH, steps_per_call=2, traceable=False)
+
+
+def test_fashion_mnist_fits_on_eight_cpu_devices(devices):
+    fashion = data.Split(np.zeros((60000, 1, 28, 28), np.float32), np.zeros(60000, np.int32))
+    assert pipeline.fits_on_devices(fashion, devices[:1])
+    assert not pipeline.fits_on_devices(fashion, devices[:1], fraction=1e-6)
