@@ -26,13 +26,32 @@ PyTree = Any
 
 
 @jax.jit
-def finite_flags(loss: jax.Array, params: PyTree) -> jax.Array:
-    """[is the loss finite, then is each leaf of `params` finite]: one bool each, computed on device.
+def finite_flags(loss: jax.Array, params: PyTree) -> list[jax.Array]:
+    """Whether the loss and each leaf of `params` are finite, computed on the devices.
+
+    Each array is reduced over all but its leading axis, never across it: under `pmap` that axis is
+    the device axis, so no device waits for another (a cross-device reduction is a collective, and
+    collectives dispatched ahead of the host freeze XLA's CPU rendezvous on JAX <= 0.11).
 
     Params after step t are finite exactly when step t's gradients were finite and its update did
     not overflow, so checking them checks the gradients without taking them out of the step.
+
+    Returns:
+      [loss flags, then one flag vector per leaf of `params` in `jax.tree.leaves` order].
     """
-    return jnp.stack([jnp.isfinite(loss).all()] + [jnp.isfinite(x).all() for x in jax.tree.leaves(params)])
+
+    def rows(x: jax.Array) -> jax.Array:
+        finite = jnp.isfinite(x)
+        return finite.reshape(x.shape[0], -1).all(axis=1) if x.ndim else finite
+
+    return [rows(loss)] + [rows(x) for x in jax.tree.leaves(params)]
+
+
+def _all_true(flags: jax.Array | np.ndarray) -> bool:
+    """Reads this process's shards of `flags` (no collective)."""
+    if isinstance(flags, jax.Array):
+        return all(bool(np.asarray(s.data).all()) for s in flags.addressable_shards)
+    return bool(np.asarray(flags).all())
 
 
 def leaf_names(tree: PyTree) -> list[str]:
@@ -40,7 +59,7 @@ def leaf_names(tree: PyTree) -> list[str]:
     return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def check_finite(flags: jax.Array, names: Sequence[str], step: int | str, last_good: Path | None) -> None:
+def check_finite(flags: Sequence[jax.Array], names: Sequence[str], step: int | str, last_good: Path | None) -> None:
     """Raises TrainingError unless `flags` (from `finite_flags`) are all true.
 
     Args:
@@ -50,8 +69,8 @@ def check_finite(flags: jax.Array, names: Sequence[str], step: int | str, last_g
         range "9–12" of steps run by one compiled call.
       last_good: the newest checkpoint saved, or None if there is none.
     """
-    ok = np.asarray(flags.addressable_data(0) if isinstance(flags, jax.Array) else flags).astype(bool)
-    if ok.all():
+    ok = [_all_true(f) for f in flags]
+    if all(ok):
         return
     if not ok[0]:
         what = "the loss is not finite (NaN or inf)"
@@ -119,7 +138,7 @@ class Watch:
         self._names = leaf_names(params)
         self._every = check_replicas
         self._lag = lag
-        self._pending: deque[tuple[int, int, jax.Array]] = deque()
+        self._pending: deque[tuple[int, int, list[jax.Array]]] = deque()
         self._replicas_checked_at = 0
         self.last_good: Path | None = None  # the newest checkpoint saved; set by whoever saves it
 
@@ -142,5 +161,5 @@ class Watch:
         while self._pending:
             self._check(*self._pending.popleft())
 
-    def _check(self, first: int, last: int, flags: jax.Array) -> None:
+    def _check(self, first: int, last: int, flags: list[jax.Array]) -> None:
         check_finite(flags, self._names, last if first == last else f"{first}–{last}", self.last_good)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from jdp import checkpoint, cli, data, lenet
+from jdp import checkpoint, cli, data, distributed, lenet, pipeline
 from jdp.errors import ConfigError, DataError
 from jdp.step import sgd
 from jdp.train import TrainConfig, checkpoint_target, train
@@ -231,3 +231,16 @@ def test_resume_on_another_device_count_continues_the_same_math(one_epoch, tmp_p
     assert [r.epoch for r in history] == [1, 2]
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_a_resumed_epoch_skips_exactly_the_batches_done(devices):
+    """The host-fed pipelines (single- and multi-process) resume an epoch at batch `skip` of the same order."""
+    key = jax.random.key(3)
+    whole = list(pipeline.epoch_batches(SMALL.train, 16, key))
+    for batches in (pipeline.epoch_batches(SMALL.train, 16, key, skip=3),
+                    distributed.process_batches(SMALL.train, 16, key, devices[:2], skip=3)):
+        rest = list(batches)
+        assert len(rest) == len(whole) - 3
+        for (x, y), (x0, y0) in zip(rest, whole[3:], strict=True):
+            np.testing.assert_array_equal(x, x0)
+            np.testing.assert_array_equal(y, y0)
