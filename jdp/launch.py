@@ -5,7 +5,7 @@ It starts P copies of a command, each told its place in the job by appended flag
 output line by line with a `[pI]` prefix, and watches them. Once one process fails, the others
 would wait forever for it inside a collective, so they are stopped and the launcher exits non-zero
 naming the failed process. Interrupting the launcher (Ctrl-C, SIGTERM) stops them as well. On a real cluster, the cluster's own launcher (`srun`, `mpirun`) plays
-this part; see docs/distributed.md.
+this part; see the README, "Beyond one process".
 """
 
 import os

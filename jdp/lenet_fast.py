@@ -2,7 +2,7 @@
 
 Takes the params pytree of `jdp.lenet` (conv kernels OIHW, dense (in, out)) and NCHW images, and
 returns the same logits, loss and gradients up to float rounding. What changes is how XLA is
-asked to compute them (measured on a 2-core Zen 4 CPU, see docs/speed.md):
+asked to compute them (measured on a 2-core Zen 4 CPU, see the README, "Speed"):
 
 * Only the pixels the network reads are computed. The 2×2 floor pooling after conv2 drops the
   last row/column of its 9×9 input, so only 8×8 conv2 outputs matter; they read a 12×12 corner of

@@ -6,7 +6,7 @@ jaxlib releases, so each is set only if its name is compiled into the installed 
 can turn them all off with `--no-xla-flags` or `JDP_NO_XLA_FLAGS=1`. Neither changes the math:
 they choose which library runs a fusion or a convolution.
 
-Measured effect on the LeNet step (2-core Zen 4 CPU, docs/speed.md): ~×1.7–2.5.
+Measured effect on the LeNet step (2-core Zen 4 CPU, README, "Speed"): ~×1.7–2.5.
 """
 
 import mmap

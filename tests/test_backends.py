@@ -9,9 +9,9 @@ from jax.sharding import PartitionSpec as P
 from jdp import allreduce, data, distributed, lenet
 from jdp.errors import ConfigError
 from jdp.placement import AXIS
-from jdp.step import make_evaluator, make_train_step, sgd, summed_cross_entropy
+from jdp.step import make_evaluator, make_train_step, sgd
+from reference import LOSS, assert_replicas_identical, single_device_full_batch
 
-LOSS = summed_cross_entropy(lenet.apply)
 INSIDE = [name for name, s in allreduce.STRATEGIES.items() if s.where == "inside"]
 OUTSIDE = [name for name, s in allreduce.STRATEGIES.items() if s.where == "outside"]
 BATCH = 24  # divisible by every device count tested
@@ -33,27 +33,6 @@ def run_steps(strategy, backend, devices, batches, lr=0.2):
         p, s, losses = step(p, s, *distributed.put_batch(x, y, len(x), devices, backend))
         assert losses.shape == (len(devices),)
     return p
-
-
-def single_device_full_batch(batches, lr=0.2):
-    """The reference: plain jitted SGD on one device over the whole batch."""
-    params = lenet.init(jax.random.key(0))
-
-    @jax.jit
-    def step(params, x, y):
-        grads = jax.grad(LOSS)(params, x, y)
-        return jax.tree.map(lambda p, g: p - lr * g / x.shape[0], params, grads)
-
-    for x, y in batches:
-        params = step(params, x, y)
-    return params
-
-
-def assert_replicas_identical(tree):
-    for leaf in jax.tree.leaves(tree):
-        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
-        for other in shards[1:]:
-            np.testing.assert_array_equal(other, shards[0])
 
 
 CASES = [(s, b, k) for s in INSIDE for b in distributed.BACKENDS for k in (3, 8)]  # 3: not a power of 2

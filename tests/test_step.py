@@ -6,9 +6,9 @@ import pytest
 from jdp import allreduce, data, lenet
 from jdp.inflight import InFlight
 from jdp.placement import replicate, split_batch, unreplicate
-from jdp.step import make_evaluator, make_train_step, sgd, summed_cross_entropy
+from jdp.step import make_evaluator, make_train_step, sgd
+from reference import LOSS, assert_replicas_identical, single_device_full_batch
 
-LOSS = summed_cross_entropy(lenet.apply)
 STRATEGIES = ["psum", "manual"]
 
 
@@ -28,13 +28,6 @@ def run_steps(strategy, devices, batches, lr=0.2):
     return p
 
 
-def assert_replicas_identical(tree):
-    for leaf in jax.tree.leaves(tree):
-        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
-        for other in shards[1:]:
-            np.testing.assert_array_equal(other, shards[0])  # bit-identical, not merely close
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_replicas_stay_bit_identical(strategy, devices, batches):
     params = run_steps(strategy, devices, batches)
@@ -47,20 +40,6 @@ def test_manual_equals_psum(devices, batches):
         unreplicate(run_steps("manual", devices, batches)),
         unreplicate(run_steps("psum", devices, batches)), rtol=1e-6, atol=1e-9,
     )
-
-
-def single_device_full_batch(batches, lr=0.2):
-    """The reference: plain jitted SGD on one device over the whole batch, no data parallelism."""
-    params = lenet.init(jax.random.key(0))
-
-    @jax.jit
-    def step(params, x, y):
-        grads = jax.grad(LOSS)(params, x, y)
-        return jax.tree.map(lambda p, g: p - lr * g / x.shape[0], params, grads)
-
-    for x, y in batches:
-        params = step(params, x, y)
-    return params
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
