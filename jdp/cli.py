@@ -25,9 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
-        "train", help="train LeNet data-parallel and report test accuracy per epoch",
-        description="Train the lesson's LeNet data-parallel: replicate params, split each batch over "
-        "the devices, allreduce gradients, SGD with the full batch size.",
+        "train", help="train a model (LeNet by default) data-parallel and report test accuracy per epoch",
+        description="Train the lesson's LeNet (or --model) data-parallel: replicate params, split each batch "
+        "over the devices, allreduce gradients, SGD with the full batch size.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_device_flags(train)
@@ -50,8 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="evaluate split over all devices (psum of counts) or on the first device only")
     train.add_argument("--out", default=None, help="write history.json and accuracy.png here")
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
+    train.add_argument("--model", default="lenet", choices=["lenet", "lenet_flax", "resnet18"],
+                       help="the from-scratch LeNet, its Flax version, or the lesson's ResNet-18 for 28x28 (Flax)")
+    train.add_argument("--batchnorm", default=None, choices=["per-replica", "sync"],
+                       help="resnet18: BatchNorm statistics over each device's shard, or synchronised over all "
+                       "devices (the global batch's) (default: sync)")
     train.add_argument("--model-impl", default="fast", choices=["fast", "reference"],
-                       help="LeNet formulation: fast (jdp.lenet_fast) or the lesson's reference; same math")
+                       help="--model lenet's formulation: fast (jdp.lenet_fast) or the lesson's reference; same math")
     train.add_argument("--steps-per-call", type=int, default=1, metavar="S",
                        help="train steps per compiled call (unrolled); needs a collective allreduce strategy")
     train.add_argument("--checkpoint-dir", default=None, metavar="DIR",
@@ -144,7 +149,7 @@ def run_train(args: argparse.Namespace) -> int:
     config = TrainConfig(batch_size=args.batch_size, lr=args.lr, epochs=args.epochs,
                          allreduce=args.allreduce, fuse=args.fuse, bucket_mb=args.bucket_mb,
                          seed=args.seed, eval_on=args.eval_on,
-                         warmup_steps=args.warmup_steps, model_impl=args.model_impl,
+                         warmup_steps=args.warmup_steps, model=args.model, model_impl=args.model_impl, batchnorm=args.batchnorm,
                          steps_per_call=args.steps_per_call, backend=args.backend)
     config.validate()
     out = _check_out_dir(args.out)
@@ -176,7 +181,7 @@ def run_train(args: argparse.Namespace) -> int:
         }
         (out / "history.json").write_text(json.dumps(record, indent=2) + "\n")
         plot.accuracy_per_epoch(test_acc, out / "accuracy.png",
-                                title=f"{args.allreduce}, {len(devices)} device(s), batch {args.batch_size}, lr {args.lr}")
+                                title=f"{args.model}, {args.allreduce}, {len(devices)} device(s), batch {args.batch_size}, lr {args.lr}")
         print(f"wrote {out / 'history.json'} and {out / 'accuracy.png'}")
     return 0
 

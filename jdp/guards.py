@@ -12,7 +12,7 @@ replicated `P()` under `shard_map`): they only look at each array's addressable 
 """
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,10 +132,13 @@ class Watch:
       params: the params (any layout), for the leaf names in messages.
       check_replicas: compare all replicas every this many steps; None: never.
       lag: how many calls a finite check may stay unread.
+      same: params -> the part of them every device must hold identically (default: all of them).
     """
 
-    def __init__(self, params: PyTree, check_replicas: int | None = None, lag: int = 2) -> None:
+    def __init__(self, params: PyTree, check_replicas: int | None = None, lag: int = 2,
+                 same: Callable[[PyTree], PyTree] = lambda params: params) -> None:
         self._names = leaf_names(params)
+        self._same = same
         self._every = check_replicas
         self._lag = lag
         self._pending: deque[tuple[int, int, list[jax.Array]]] = deque()
@@ -153,7 +156,7 @@ class Watch:
             self._check(*self._pending.popleft())
         if self._every is not None and last // self._every > self._replicas_checked_at // self._every:
             self.flush()
-            check_replicas({"params": params, "opt_state": opt_state}, last)
+            check_replicas({"params": self._same(params), "opt_state": opt_state}, last)
             self._replicas_checked_at = last
 
     def flush(self) -> None:

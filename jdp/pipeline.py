@@ -147,21 +147,21 @@ def _resident_runner(step, split, devices, batch_size, calls, traceable) -> Epoc
 
     def run_epoch(state: State, key: jax.Array, progress: Progress, start: int = 0,
                   after_call: AfterCall | None = None) -> tuple[State, list[jax.Array]]:
-        (params, opt_state), window, losses = state, InFlight(limit=2), []
         order, t = p_order(replicate(jax.random.key_data(key), devices))
-        t = t + start
-        for length in progress(calls(start), len(calls(start))):
+        position = {"t": t + start}  # the next batch's index, on the devices
+
+        def run_call(params, opt_state, length):
+            t = position["t"]
             if traceable:
-                params, opt_state, t, loss = p_chunk(params, opt_state, images, labels, order, t, length=length)
+                params, opt_state, position["t"], loss = p_chunk(params, opt_state, images, labels, order, t,
+                                                                 length=length)
             else:
-                x, y, t = p_fetch(images, labels, order, t)
+                x, y, position["t"] = p_fetch(images, labels, order, t)
                 params, opt_state, loss = step(params, opt_state, x, y)
-            window.push(loss)
-            losses.append(loss)
-            if after_call is not None:
-                after_call(length, (params, opt_state), loss)
-        window.drain()
-        return (params, opt_state), losses
+            return params, opt_state, loss
+
+        calls_left = calls(start)
+        return _run_calls(state, progress(calls_left, len(calls_left)), run_call, after_call)
 
     return run_epoch
 
@@ -192,20 +192,32 @@ def _host_runner(step, split, devices, batch_size, calls, traceable) -> EpochRun
 
     def run_epoch(state: State, key: jax.Array, progress: Progress, start: int = 0,
                   after_call: AfterCall | None = None) -> tuple[State, list[jax.Array]]:
-        (params, opt_state), window, losses = state, InFlight(limit=2), []
-        for length, xs, ys in progress(_one_ahead(placed(key, start)), len(calls(start))):
-            if traceable:
-                params, opt_state, loss = p_chunk(params, opt_state, xs, ys)
-            else:
-                params, opt_state, loss = step(params, opt_state, xs, ys)
-            window.push(loss)
-            losses.append(loss)
-            if after_call is not None:
-                after_call(length, (params, opt_state), loss)
-        window.drain()
-        return (params, opt_state), losses
+        def run_call(params, opt_state, call):
+            _, xs, ys = call
+            return (p_chunk if traceable else step)(params, opt_state, xs, ys)
+
+        work = progress(_one_ahead(placed(key, start)), len(calls(start)))
+        return _run_calls(state, work, run_call, after_call, steps=lambda call: call[0])
 
     return run_epoch
+
+
+def _run_calls(state: State, work: Iterable[Any], run_call: Callable[..., tuple[PyTree, PyTree, jax.Array]],
+               after_call: AfterCall | None, steps: Callable[[Any], int] = lambda length: length
+               ) -> tuple[State, list[jax.Array]]:
+    """The loop both runners share: one compiled call per item of `work`, at most 2 in flight.
+
+    `run_call(params, opt_state, item) -> (params, opt_state, losses)`; `steps(item)`: how many steps it ran.
+    """
+    (params, opt_state), window, losses = state, InFlight(limit=2), []
+    for item in work:
+        params, opt_state, loss = run_call(params, opt_state, item)
+        window.push(loss)
+        losses.append(loss)
+        if after_call is not None:
+            after_call(steps(item), (params, opt_state), loss)
+    window.drain()
+    return (params, opt_state), losses
 
 
 def _one_ahead(items: Iterable[Any]) -> Iterator[Any]:

@@ -25,6 +25,8 @@ from jdp.placement import AXIS
 PyTree = Any
 ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
 LossFn = Callable[[PyTree, jax.Array, jax.Array], jax.Array]
+# (params, state, images, labels) -> (summed loss, new state): a model with state such as BatchNorm's statistics
+StatefulLossFn = Callable[[PyTree, PyTree, jax.Array, jax.Array], tuple[jax.Array, PyTree]]
 # (params, opt_state, images, labels) -> (params, opt_state, per-device summed loss)
 TrainStep = Callable[[PyTree, PyTree, jax.Array, jax.Array], tuple[PyTree, PyTree, jax.Array]]
 
@@ -45,11 +47,13 @@ def sgd(learning_rate: float | optax.Schedule) -> optax.GradientTransformation:
 
 
 def make_train_step(
-    loss_fn: LossFn,
+    loss_fn: LossFn | StatefulLossFn,
     optimizer: optax.GradientTransformation,
     allreduce: Allreduce,
     devices: Sequence[jax.Device],
     backend: Backend = "pmap",
+    *,
+    stateful: bool = False,
 ) -> TrainStep:
     """Builds the data-parallel train step, mapped once over `devices` by `backend`.
 
@@ -64,11 +68,14 @@ def make_train_step(
     each process's part of its outputs, `jit` global arrays.
 
     Args:
-      loss_fn: (params, images, labels) -> loss summed over the images.
+      loss_fn: (params, images, labels) -> loss summed over the images; with `stateful`,
+        (params, state, images, labels) -> (summed loss, new state), e.g. BatchNorm statistics.
       optimizer: applied to the mean gradient of the full batch.
       allreduce: how the per-device gradient sums are added up.
       devices: the devices the step runs on (the mesh, in order).
       backend: "pmap" or "shard_map".
+      stateful: the step's first argument is {"params", "state"} (see `jdp.models`): only "params"
+        is differentiated and updated, "state" is replaced by the loss's new state.
 
     Returns:
       step(params, opt_state, images, labels) -> (params, opt_state, losses): inputs placed with
@@ -87,42 +94,54 @@ def make_train_step(
             f"Use a collective strategy instead: {inside}."
         )
     k = len(devices)
-    grad_fn = jax.value_and_grad(loss_fn)
 
-    def update(params, opt_state, grad_sum, local_batch):
+    def local_grads(variables, images, labels):
+        """(loss, gradient sum over this device's shard, new model state or None)."""
+        if not stateful:
+            return *jax.value_and_grad(loss_fn)(variables, images, labels), None
+        (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            variables["params"], variables["state"], images, labels)
+        return loss, grads, state
+
+    def update(variables, opt_state, grad_sum, state, local_batch):
+        params = variables["params"] if stateful else variables
         grads = jax.tree.map(lambda g: g / (local_batch * k), grad_sum)  # divide by the FULL batch
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        params = optax.apply_updates(params, updates)
+        return ({"params": params, "state": state} if stateful else params), opt_state
+
+    def local_step(variables, opt_state, images, labels):
+        loss, grads, state = local_grads(variables, images, labels)
+        grads = allreduce.fn(grads, AXIS)  # the one reduction over the devices
+        variables, opt_state = update(variables, opt_state, grads, state, images.shape[0])
+        return variables, opt_state, loss
 
     if backend == "shard_map":
-        return _shard_map_step(grad_fn, update, allreduce, devices)
-
+        return _shard_map_step(local_step, local_grads, update, allreduce, devices)
     if allreduce.where == "inside":
-
-        def local_step(params, opt_state, images, labels):
-            loss, grads = grad_fn(params, images, labels)
-            grads = allreduce.fn(grads, AXIS)
-            params, opt_state = update(params, opt_state, grads, images.shape[0])
-            return params, opt_state, loss
-
         return jax.pmap(local_step, axis_name=AXIS, devices=devices, donate_argnums=(0, 1))
-
-    p_grads = jax.pmap(grad_fn, axis_name=AXIS, devices=devices)
+    p_grads = jax.pmap(local_grads, axis_name=AXIS, devices=devices)
     p_update = jax.pmap(
-        lambda p, s, g, x: update(p, s, g, x.shape[0]),
+        lambda v, o, g, s, x: update(v, o, g, s, x.shape[0]),
         axis_name=AXIS, devices=devices, donate_argnums=(0, 1),
     )
+    return _outside_step(p_grads, allreduce, p_update)
 
-    def step(params, opt_state, images, labels):
-        loss, grads = p_grads(params, images, labels)  # per-device gradients leave the device step
+
+def _outside_step(grads_fn, allreduce: Allreduce, update_fn) -> TrainStep:
+    """The step of an "outside" strategy: three calls, with the allreduce's transfers between them."""
+
+    def step(variables, opt_state, images, labels):
+        loss, grads, state = grads_fn(variables, images, labels)  # per-device gradients leave the device step
         grads = allreduce.fn(grads)  # explicit transfers between devices
-        params, opt_state = p_update(params, opt_state, grads, images)
-        return params, opt_state, loss
+        variables, opt_state = update_fn(variables, opt_state, grads, state, images)
+        return variables, opt_state, loss
 
     return step
 
 
-def _shard_map_step(grad_fn, update, allreduce: Allreduce, devices: Sequence[jax.Device]) -> TrainStep:
+def _shard_map_step(local_step, local_grads, update, allreduce: Allreduce,
+                    devices: Sequence[jax.Device]) -> TrainStep:
     """The step as `jit(shard_map(...))`: params `P()`, batch `P('data')`.
 
     The double count. Inside `shard_map` with `check_vma=True`, params specified `P()` are typed
@@ -138,7 +157,8 @@ def _shard_map_step(grad_fn, update, allreduce: Allreduce, devices: Sequence[jax
     "Outside" strategies keep params `P()` too: the per-device gradients leave the step as one (k, ...)
     array sharded `P('data')` (slice i on device i), the layout those strategies consume and return;
     the update then takes each device's slice. Their results are bit-identical on every device, which
-    is what lets the update return params as `P()` without a check.
+    is what lets the update return params as `P()` without a check. Model state (synchronised
+    BatchNorm statistics) is equal on every device too, and returned `P()` likewise.
     """
     m = mesh(devices)
     batch, replicated = P(AXIS), P()
@@ -148,35 +168,26 @@ def _shard_map_step(grad_fn, update, allreduce: Allreduce, devices: Sequence[jax
 
     if allreduce.where == "inside":
 
-        def local_step(params, opt_state, images, labels):
-            loss, grads = grad_fn(params, images, labels)  # this device's gradient sum (no implicit psum)
-            grads = allreduce.fn(grads, AXIS)  # the one reduction over the devices
-            params, opt_state = update(params, opt_state, grads, images.shape[0])
-            return params, opt_state, loss[None]
+        def local_step_stacked(variables, opt_state, images, labels):
+            variables, opt_state, loss = local_step(variables, opt_state, images, labels)
+            return variables, opt_state, loss[None]
 
-        mapped = shard_map(local_step, (replicated, replicated, batch, batch), (replicated, replicated, batch))
+        mapped = shard_map(local_step_stacked, (replicated, replicated, batch, batch), (replicated, replicated, batch))
         return jax.jit(mapped, donate_argnums=(0, 1))
 
-    def local_grads(params, images, labels):
-        loss, grads = grad_fn(params, images, labels)
-        return loss[None], jax.tree.map(lambda g: g[None], grads)  # stacked: (k, ...) over the devices
+    def local_grads_stacked(variables, images, labels):
+        loss, grads, state = local_grads(variables, images, labels)
+        return loss[None], jax.tree.map(lambda g: g[None], grads), state  # stacked: (k, ...) over the devices
 
-    def local_update(params, opt_state, grads, images):
-        return update(params, opt_state, jax.tree.map(lambda g: g[0], grads), images.shape[0])
+    def local_update(variables, opt_state, grads, state, images):
+        return update(variables, opt_state, jax.tree.map(lambda g: g[0], grads), state, images.shape[0])
 
-    s_grads = jax.jit(shard_map(local_grads, (replicated, batch, batch), (batch, batch)))
+    s_grads = jax.jit(shard_map(local_grads_stacked, (replicated, batch, batch), (batch, batch, replicated)))
     s_update = jax.jit(
-        shard_map(local_update, (replicated, replicated, batch, batch), (replicated, replicated)),
+        shard_map(local_update, (replicated, replicated, batch, replicated, batch), (replicated, replicated)),
         donate_argnums=(0, 1),
     )
-
-    def step(params, opt_state, images, labels):
-        loss, grads = s_grads(params, images, labels)  # per-device gradients leave the device step
-        grads = allreduce.fn(grads)  # explicit transfers between devices
-        params, opt_state = s_update(params, opt_state, grads, images)
-        return params, opt_state, loss
-
-    return step
+    return _outside_step(s_grads, allreduce, s_update)
 
 
 Evaluator = Callable[[PyTree, np.ndarray, np.ndarray], float]

@@ -15,12 +15,12 @@ import jax
 import optax
 
 from jdp import allreduce as allreduce_lib
-from jdp import checkpoint, distributed, guards, lenet
+from jdp import checkpoint, distributed, guards, models
 from jdp.data import Dataset
 from jdp.errors import ConfigError
-from jdp.lenet_fast import IMPLEMENTATIONS
 from jdp.pipeline import make_epoch_runner
-from jdp.step import make_evaluator, make_train_step, sgd, summed_cross_entropy
+from jdp.placement import AXIS
+from jdp.step import make_evaluator, make_train_step, sgd
 
 PyTree = Any
 
@@ -38,7 +38,9 @@ class TrainConfig:
     seed: int = 0
     eval_on: str = "all"  # "all": split evaluation over the devices; "device0": the lesson's way
     warmup_steps: int = 0  # ramp the lr linearly from 0 over this many steps (Goyal et al. 2017)
-    model_impl: str = "fast"  # a key of jdp.lenet_fast.IMPLEMENTATIONS: same math, "reference" is the lesson's
+    model: str = "lenet"  # a name of jdp.models.NAMES
+    model_impl: str = "fast"  # for model "lenet": a key of jdp.lenet_fast.IMPLEMENTATIONS; "reference" is the lesson's
+    batchnorm: str | None = None  # for models with BatchNorm: "sync" (default) or "per-replica" (jdp.models)
     steps_per_call: int = 1  # train steps per compiled call (unrolled); > 1 needs a collective strategy
     backend: str = "pmap"  # "pmap" or "shard_map": how the step is mapped over the devices (jdp.step)
 
@@ -53,8 +55,12 @@ class TrainConfig:
             raise ConfigError(f"`--lr` must be positive, got {self.lr}.")
         if self.eval_on not in ("all", "device0"):
             raise ConfigError(f"`--eval-on` must be `all` or `device0`, got `{self.eval_on}`.")
-        if self.model_impl not in IMPLEMENTATIONS:
-            raise ConfigError(f"`--model-impl` must be one of {', '.join(IMPLEMENTATIONS)}, got `{self.model_impl}`.")
+        model = models.get(self.model, impl=self.model_impl, batchnorm=self.batchnorm)
+        if model.per_replica_state and self.backend != "pmap":
+            raise ConfigError(
+                "`--batchnorm per-replica` keeps different statistics on each device, which `--backend shard_map` "
+                "cannot hold in its replicated `P()` layout. Use `--backend pmap` or `--batchnorm sync`."
+            )
         if self.steps_per_call < 1:
             raise ConfigError(f"`--steps-per-call` must be a positive integer, got {self.steps_per_call}.")
         allreduce_lib.get(self.allreduce, fuse=self.fuse, bucket_mb=self.bucket_mb)
@@ -102,7 +108,7 @@ def train(
     resume: bool = False,
     check_replicas: int | None = None,
 ) -> tuple[PyTree, list[EpochRecord]]:
-    """Trains the lesson's LeNet data-parallel on `devices`.
+    """Trains `config.model` (the lesson's LeNet by default) data-parallel on `devices`.
 
     Args:
       config: hyper-parameters and strategy.
@@ -130,23 +136,25 @@ def train(
         raise ConfigError(f"`--check-replicas` must be a positive number of steps, got {check_replicas}.")
     init_key, data_key = jax.random.split(jax.random.key(config.seed))
     optimizer = sgd(learning_rate(config))
-    params = lenet.init(init_key)
+    model = models.get(config.model, impl=config.model_impl, batchnorm=config.batchnorm)
+    params = model.init(init_key)
     steps_per_epoch = len(dataset.train.labels) // config.batch_size
     keeper = checkpoint.Keeper(
         checkpoint_dir, checkpoint_every,
         checkpoint.describe_run(config, dataset, len(devices)) if checkpoint_dir is not None else None,
-        steps_per_epoch, guards.Watch(params, check_replicas),
+        steps_per_epoch, guards.Watch(params, check_replicas, same=_same_on_every_device(model)),
         lambda tree: distributed.local_copy(tree, config.backend), jax.random.key_data(data_key),
     )
-    arrays = {"params": params, "opt_state": optimizer.init(params), "data_key": keeper.data_key}
+    arrays = {"params": params, "opt_state": optimizer.init(_trainable(model, params)), "data_key": keeper.data_key}
     if resume:
         arrays = keeper.resume(arrays, config.epochs)
     data_key = jax.random.wrap_key_data(arrays["data_key"])
     state = tuple(distributed.put_replicated(arrays[t], devices, config.backend) for t in ("params", "opt_state"))
     strategy = allreduce_lib.get(config.allreduce, fuse=config.fuse, bucket_mb=config.bucket_mb)
-    apply_fn = IMPLEMENTATIONS[config.model_impl]
-    step = make_train_step(summed_cross_entropy(apply_fn), optimizer, strategy, devices, backend=config.backend)
-    evaluate = make_evaluator(apply_fn, devices, on_all_devices=config.eval_on == "all", backend=config.backend)
+    step = make_train_step(model.loss, optimizer, strategy, devices, backend=config.backend, stateful=model.stateful)
+    evaluate = make_evaluator(model.apply, devices, on_all_devices=config.eval_on == "all", backend=config.backend)
+    if model.per_replica_state:  # one set of statistics before evaluating and saving (see jdp.models)
+        average = jax.pmap(models.average_state, axis_name=AXIS, devices=devices, donate_argnums=0)
     if config.backend == "pmap" and jax.process_count() == 1:
         run_epoch = make_epoch_runner(step, dataset.train, devices, config.batch_size,
                                       steps_per_call=config.steps_per_call, traceable=strategy.where == "inside")
@@ -158,6 +166,8 @@ def train(
         state, _ = run_epoch(state, jax.random.fold_in(data_key, epoch), progress,
                              start=keeper.batches_done, after_call=keeper.after_call)
         seconds = time.perf_counter() - start
+        if model.per_replica_state:
+            state = (average(state[0]), state[1])
         record = EpochRecord(
             epoch=epoch,
             train_loss=float(keeper.epoch_loss()) / (steps_per_epoch * config.batch_size),
@@ -171,6 +181,18 @@ def train(
 
 def checkpoint_target(config: TrainConfig) -> PyTree:
     """The structure, shapes and dtypes of the arrays `train` checkpoints, e.g. for `jdp.checkpoint.load`."""
-    params = lenet.init(jax.random.key(0))
-    return {"params": params, "opt_state": sgd(learning_rate(config)).init(params),
+    model = models.get(config.model, impl=config.model_impl, batchnorm=config.batchnorm)
+    params = model.init(jax.random.key(0))
+    return {"params": params, "opt_state": sgd(learning_rate(config)).init(_trainable(model, params)),
             "data_key": jax.random.key_data(jax.random.key(0))}
+
+
+def _trainable(model: models.Model, variables: PyTree) -> PyTree:
+    return variables["params"] if model.stateful else variables
+
+
+def _same_on_every_device(model: models.Model) -> Callable[[PyTree], PyTree]:
+    """What the replica check compares: everything, except per-replica BatchNorm statistics mid-epoch."""
+    if model.per_replica_state:
+        return lambda variables: variables["params"]
+    return lambda variables: variables

@@ -117,6 +117,10 @@ def test_images_labels_count_mismatch(capsys, tmp_path, out):
         (["--checkpoint-every", "5"], "`--checkpoint-every` needs `--checkpoint-dir DIR`"),
         (["--resume"], "`--resume` needs `--checkpoint-dir DIR`"),
         (["--check-replicas", "0"], "`--check-replicas` must be a positive number of steps, got 0"),
+        (["--model", "resnet50"], "argument --model: invalid choice: 'resnet50'"),
+        (["--batchnorm", "sync"], "`--batchnorm` applies to models with BatchNorm (resnet18), not `--model lenet`"),
+        (["--model", "resnet18", "--batchnorm", "per-replica", "--backend", "shard_map"],
+         "`--batchnorm per-replica` keeps different statistics on each device"),
     ],
 )
 def test_bad_flag_values(capsys, out, args, message):

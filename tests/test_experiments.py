@@ -10,7 +10,7 @@ import pytest
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
 
-@pytest.mark.parametrize("name", ["reproduce", "scaling", "eval"])
+@pytest.mark.parametrize("name", ["reproduce", "scaling", "eval", "concise"])
 def test_quick_mode_writes_outputs(name, tmp_path):
     result = subprocess.run([sys.executable, str(EXPERIMENTS / f"{name}.py"), "--quick", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=600)
@@ -24,7 +24,7 @@ def test_quick_mode_writes_outputs(name, tmp_path):
         assert record["identical"] is True and len({r["test_acc"] for r in record["results"]}) == 1
 
 
-@pytest.mark.parametrize("name", ["reproduce", "scaling", "eval"])
+@pytest.mark.parametrize("name", ["reproduce", "scaling", "eval", "concise"])
 def test_help(name):
     result = subprocess.run([sys.executable, str(EXPERIMENTS / f"{name}.py"), "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "--quick" in result.stdout and "--data-dir" in result.stdout
