@@ -170,9 +170,24 @@ def _check_per_replica(model, name, k, lr, batch, devices, dtype):
         chex.assert_trees_all_close(device_copy(got["state"], 0), device_copy(got["state"], 1), rtol=1e-3, atol=1e-5)
 
 
-def test_per_replica_training_checks_params_and_averages_statistics_each_epoch(devices):
+def test_average_state_leaves_one_set_of_statistics_and_the_params_as_they_were(devices):
+    k = 4
+    got, _ = run_steps(make_model("tiny", sync=False), "psum", "pmap", devices[:k], _batches())
+    averaged = jax.pmap(models.average_state, axis_name=AXIS, devices=devices[:k])(got)
+    assert_replicas_identical(averaged)
+    mean = jax.tree.map(lambda a: np.asarray(a).mean(axis=0), got["state"])
+    chex.assert_trees_all_close(device_copy(averaged["state"], 2), mean, rtol=1e-6, atol=1e-8)
+    chex.assert_trees_all_equal(averaged["params"], got["params"])
+
+
+def _batches():
+    ds = data.synthetic(jax.random.key(1), n_train=64, n_test=8)
+    return [(ds.train.images[:8], ds.train.labels[:8])]
+
+
+def test_per_replica_training_passes_the_replica_check(devices):
     """`train` with per-replica BN: the replica check compares params and optimizer state (the
-    statistics are meant to differ mid-epoch) and the run ends with one set of statistics."""
+    statistics are meant to differ mid-epoch; comparing them too would stop this run at step 1)."""
     ds = data.synthetic(jax.random.key(3), n_train=64, n_test=24)
     config = TrainConfig(model="resnet18", batchnorm="per-replica", batch_size=16, lr=0.1, epochs=1)
     variables, history = train(config, ds, devices[:2], check_replicas=1)
