@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the from-scratch LeNet, its Flax version, or the lesson's ResNet-18 for 28x28 (Flax)")
     train.add_argument("--batchnorm", default=None, choices=["per-replica", "sync"],
                        help="resnet18: BatchNorm statistics over each device's shard, or synchronised over all "
-                       "devices (the global batch's) (default: sync)")
+                       "devices (the global batch's); resnet18 uses sync when it is not given")
     train.add_argument("--model-impl", default="fast", choices=["fast", "reference"],
                        help="--model lenet's formulation: fast (jdp.lenet_fast) or the lesson's reference; same math")
     train.add_argument("--steps-per-call", type=int, default=1, metavar="S",
