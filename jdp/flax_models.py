@@ -21,6 +21,11 @@ def _nhwc(images: jax.Array) -> jax.Array:
     return images.reshape(images.shape[0], 28, 28, 1)
 
 
+def _batchnorm(train: bool, axis_name: str | None) -> nn.BatchNorm:
+    """PyTorch's BatchNorm defaults (momentum 0.1 is Flax's 0.9); moments averaged over `axis_name` if given."""
+    return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5, axis_name=axis_name)
+
+
 class LeNet(nn.Module):
     """The lesson's LeNet: conv 3×3 (20) → avg-pool → conv 5×5 (50) → avg-pool → dense 128 → dense 10."""
 
@@ -56,12 +61,10 @@ class Residual(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-        norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,  # noqa: E731
-                                    axis_name=self.batchnorm_axis)  # PyTorch's defaults
         conv = lambda size, strides=1: nn.Conv(self.channels, (size, size), strides=strides,  # noqa: E731
                                                padding=1 if size == 3 else 0, kernel_init=_WEIGHTS)
-        y = nn.relu(norm()(conv(3, self.strides)(x)))
-        y = norm()(conv(3)(y))
+        y = nn.relu(_batchnorm(train, self.batchnorm_axis)(conv(3, self.strides)(x)))
+        y = _batchnorm(train, self.batchnorm_axis)(conv(3)(y))
         if self.strides != 1 or x.shape[-1] != self.channels:
             x = conv(1, self.strides)(x)
         return nn.relu(y + x)
@@ -82,8 +85,7 @@ class ResNet18(nn.Module):
     @nn.compact
     def __call__(self, images: jax.Array, train: bool = False) -> jax.Array:
         x = nn.Conv(64, (3, 3), padding=1, kernel_init=_WEIGHTS)(_nhwc(images))
-        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                                 axis_name=self.batchnorm_axis)(x))
+        x = nn.relu(_batchnorm(train, self.batchnorm_axis)(x))
         for stage, channels in enumerate((64, 128, 256, 512)):
             for block in range(2):
                 strides = 2 if stage > 0 and block == 0 else 1

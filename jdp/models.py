@@ -94,6 +94,11 @@ def batchnorm_model(module: Any) -> Model:
     return Model(init, loss, apply, stateful=True, per_replica_state=module.batchnorm_axis is None)
 
 
+def trainable(model: Model, variables: PyTree) -> PyTree:
+    """The part of `variables` the optimizer updates: all of a stateless model's, a stateful one's "params"."""
+    return variables["params"] if model.stateful else variables
+
+
 def average_state(variables: PyTree) -> PyTree:
     """Per-device variables → the same with "state" averaged over the mapped device axis `AXIS`.
 

@@ -145,7 +145,7 @@ def train(
         steps_per_epoch, guards.Watch(params, check_replicas, same=_same_on_every_device(model)),
         lambda tree: distributed.local_copy(tree, config.backend), jax.random.key_data(data_key),
     )
-    arrays = {"params": params, "opt_state": optimizer.init(_trainable(model, params)), "data_key": keeper.data_key}
+    arrays = {"params": params, "opt_state": optimizer.init(models.trainable(model, params)), "data_key": keeper.data_key}
     if resume:
         arrays = keeper.resume(arrays, config.epochs)
     data_key = jax.random.wrap_key_data(arrays["data_key"])
@@ -183,16 +183,12 @@ def checkpoint_target(config: TrainConfig) -> PyTree:
     """The structure, shapes and dtypes of the arrays `train` checkpoints, e.g. for `jdp.checkpoint.load`."""
     model = models.get(config.model, impl=config.model_impl, batchnorm=config.batchnorm)
     params = model.init(jax.random.key(0))
-    return {"params": params, "opt_state": sgd(learning_rate(config)).init(_trainable(model, params)),
+    return {"params": params, "opt_state": sgd(learning_rate(config)).init(models.trainable(model, params)),
             "data_key": jax.random.key_data(jax.random.key(0))}
-
-
-def _trainable(model: models.Model, variables: PyTree) -> PyTree:
-    return variables["params"] if model.stateful else variables
 
 
 def _same_on_every_device(model: models.Model) -> Callable[[PyTree], PyTree]:
     """What the replica check compares: everything, except per-replica BatchNorm statistics mid-epoch."""
     if model.per_replica_state:
-        return lambda variables: variables["params"]
+        return lambda variables: models.trainable(model, variables)
     return lambda variables: variables

@@ -52,9 +52,8 @@ def run_steps(model, strategy, backend, devices, batches, lr=0.1, variables=None
     variables = model.init(jax.random.key(0)) if variables is None else variables
     variables = jax.tree.map(lambda a: np.asarray(a, dtype), variables)
     batches = [(np.asarray(x, dtype), y) for x, y in batches]
-    trainable = variables["params"] if model.stateful else variables
     v = distributed.put_replicated(variables, devices, backend)
-    s = distributed.put_replicated(optimizer.init(trainable), devices, backend)
+    s = distributed.put_replicated(optimizer.init(models.trainable(model, variables)), devices, backend)
     step = make_train_step(model.loss, optimizer, allreduce.get(strategy), devices, backend=backend,
                            stateful=model.stateful)
     losses = []
