@@ -1,12 +1,18 @@
-# Two commands do all set-up from a fresh clone:  make run   |   make test
-# PYTHON: the newest interpreter >= 3.11 found (3.12+ gets JAX 0.12, 3.11 gets JAX 0.10.2); override with PYTHON=...
-PYTHON ?= $(shell for p in python3.13 python3.12 python3; do $$p -c 'import sys; assert sys.version_info >= (3, 11)' >/dev/null 2>&1 && echo $$p && break; done)
+# Two commands do all set-up from a fresh clone:  make run   |   make test   (make test-all: every tier)
+# PYTHON: the newest interpreter that runs, 3.13 > 3.12 > 3.11, on PATH or under pyenv (3.12+ gets JAX 0.12,
+# 3.11 gets JAX 0.10.2); override with PYTHON=/path/to/python.
+PYENV_ROOT ?= $(shell pyenv root 2>/dev/null || echo $(HOME)/.pyenv)
+CANDIDATES := python3.13 $(wildcard $(PYENV_ROOT)/versions/3.13*/bin/python3) \
+              python3.12 $(wildcard $(PYENV_ROOT)/versions/3.12*/bin/python3) \
+              python3.11 $(wildcard $(PYENV_ROOT)/versions/3.11*/bin/python3) python3
+PYTHON ?= $(shell for p in $(CANDIDATES); do $$p -c 'import sys; assert sys.version_info >= (3, 11)' >/dev/null 2>&1 && echo $$p && break; done)
 VENV ?= .venv
 BIN := $(VENV)/bin
 DATA_DIR ?= $(firstword $(wildcard $(JDP_DATA_DIR) ../shared/data/fashion-mnist))
 RUN_ARGS ?= --cpu-devices 2 --out runs/main $(if $(DATA_DIR),--data-dir $(DATA_DIR))
+PYTEST_ARGS ?=
 
-.PHONY: run test install clean
+.PHONY: run test test-all install clean
 
 $(BIN)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "make: no Python >= 3.11 found; pass PYTHON=/path/to/python3.11+" >&2; exit 2; }
@@ -16,12 +22,16 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 install: $(BIN)/.installed
+	@$(BIN)/python -c 'import sys, jax; print(f"make: using {sys.executable} (Python {sys.version.split()[0]}, from $(PYTHON)) with JAX {jax.__version__}")'
 
 run: install
 	$(BIN)/jdp train $(RUN_ARGS)
 
-test: install
-	$(BIN)/python -m pytest -q
+test: install  # the fast tier: minutes
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-all: install  # every test: multi-process jobs, kill-and-resume, long loops, ResNet-18, experiments
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -19,6 +19,20 @@ def parser(description: str, default_out: str) -> argparse.ArgumentParser:
     return p
 
 
+def load_data(args: argparse.Namespace, n_train: int, n_test: int):
+    """Fashion-MNIST from `--data-dir`, or in `--quick` mode `n_train` and `n_test` synthetic images.
+
+    Call it after the devices are set up: it imports jdp (and JAX).
+    """
+    import jdp
+
+    if not args.quick:
+        return jdp.load_dataset("fashion_mnist", args.data_dir)
+    full = jdp.load_dataset("synthetic", seed=0)  # the public API's synthetic set: 2048 train, 512 test images
+    return jdp.Dataset(jdp.Split(full.train.images[:n_train], full.train.labels[:n_train]),
+                       jdp.Split(full.test.images[:n_test], full.test.labels[:n_test]))
+
+
 def machine() -> str:
     """One line naming the CPU and core count, recorded next to every measurement."""
     try:

@@ -27,27 +27,23 @@ def main() -> None:
     for name in ("train_images", "test_images", "epochs"):
         plan[name] = getattr(args, name) or plan[name]
 
-    from jdp import xla_flags
+    import jdp
 
-    xla_flags.enable()  # as `jdp train` does: faster kernels, same math (set before JAX starts)
+    jdp.enable_xla_flags()  # as `jdp train` does: faster kernels, same math (set before JAX starts)
     import jax
 
-    jax.config.update("jax_num_cpu_devices", 2)
-    from jdp import data, plot
-    from jdp.data import Dataset, Split
-    from jdp.devices import select_devices
-    from jdp.train import TrainConfig, train
-
-    full = data.synthetic(jax.random.key(0), n_train=256, n_test=64) if args.quick else data.load_idx(args.data_dir)
-    dataset = Dataset(Split(full.train.images[:plan["train_images"]], full.train.labels[:plan["train_images"]]),
-                      Split(full.test.images[:plan["test_images"]], full.test.labels[:plan["test_images"]]))
+    jdp.simulate_cpu_devices(2)
+    full = common.load_data(args, n_train=256, n_test=64)
+    dataset = jdp.Dataset(
+        jdp.Split(full.train.images[:plan["train_images"]], full.train.labels[:plan["train_images"]]),
+        jdp.Split(full.test.images[:plan["test_images"]], full.test.labels[:plan["test_images"]]))
     b = plan["base_batch"]
     runs = [(1, b, 0.1, "sync"), (2, 2 * b, 0.2, "sync"), (2, 2 * b, 0.2, "per-replica")]
     results, rows, curves = [], [], {}
     for k, batch_size, lr, batchnorm in runs:
-        config = TrainConfig(model="resnet18", batchnorm=batchnorm, batch_size=batch_size, lr=lr, epochs=plan["epochs"])
+        config = jdp.TrainConfig(model="resnet18", batchnorm=batchnorm, batch_size=batch_size, lr=lr, epochs=plan["epochs"])
         start = time.perf_counter()
-        _, history = train(config, dataset, select_devices(k))
+        _, history = jdp.train(config, dataset, jdp.select_devices(k))
         label = f"{k} device(s), batch {batch_size}, lr {lr}, BatchNorm {batchnorm}"
         results.append({"devices": k, "batch_size": batch_size, "lr": lr, "batchnorm": batchnorm,
                         "test_acc": history[-1].test_acc, "test_acc_per_epoch": [r.test_acc for r in history],
@@ -68,8 +64,9 @@ def main() -> None:
     out = Path(args.out)
     common.write_outputs(out, "concise", {"quick": args.quick, "machine": common.machine(), "plan": plan,
                                           "jax_version": jax.__version__, "runs": results}, table)
-    plot.curves(curves, out / "concise.png", xs=list(range(1, plan["epochs"] + 1)), xlabel="epoch",
-                ylabel="test accuracy", title=f"ResNet-18 on {len(dataset.train.labels)} training images")
+    figure = jdp.plot.curves(curves, xs=list(range(1, plan["epochs"] + 1)), xlabel="epoch", ylabel="test accuracy",
+                             title=f"ResNet-18 on {len(dataset.train.labels)} training images")
+    jdp.plot.save(figure, out / "concise.png")
 
 
 if __name__ == "__main__":

@@ -20,23 +20,19 @@ def main() -> None:
 
     import jax
 
-    jax.config.update("jax_num_cpu_devices", max(ks))
-    from jdp import data, lenet, plot
-    from jdp.devices import select_devices
-    from jdp.placement import replicate
-    from jdp.step import make_evaluator
-    from jdp.train import TrainConfig, train
+    import jdp
 
-    dataset = (data.synthetic(jax.random.key(0), n_train=512, n_test=333) if args.quick
-               else data.load_idx(args.data_dir))
-    config = TrainConfig(batch_size=64 if args.quick else 256, epochs=1 if args.quick else 2, lr=0.5 if args.quick else 0.2)
-    params, _ = train(config, dataset, select_devices(1))
+    jdp.simulate_cpu_devices(max(ks))
+    dataset = common.load_data(args, n_train=512, n_test=333)
+    lenet = jdp.get_model("lenet", impl="reference")  # the lesson's formulation, evaluated as the lesson does
+    config = jdp.TrainConfig(batch_size=64 if args.quick else 256, epochs=1 if args.quick else 2, lr=0.5 if args.quick else 0.2)
+    params, _ = jdp.train(config, dataset, jdp.select_devices(1))
     rows, results = [], []
     for k in ks:
-        devices = select_devices(k)
-        replicated = replicate(params, devices)
+        devices = jdp.select_devices(k)
+        replicated = jdp.replicate(params, devices)
         for mode in ("all", "device0"):
-            evaluate = make_evaluator(lenet.apply, devices, batch_size=1000, on_all_devices=mode == "all")
+            evaluate = jdp.make_evaluator(lenet.apply, devices, batch_size=1000, on_all_devices=mode == "all")
             acc = evaluate(replicated, dataset.test.images, dataset.test.labels)  # also compiles
             times = []
             for _ in range(1 if args.quick else args.repeats):
@@ -55,8 +51,10 @@ def main() -> None:
     out = Path(args.out)
     common.write_outputs(out, "eval", {"quick": args.quick, "machine": common.machine(), "identical": len(accs) == 1,
                                        "results": results}, table)
-    plot.curves({mode: [1000 * r["seconds_median"] for r in results if r["mode"] == mode] for mode in ("all", "device0")},
-                out / "eval.png", xs=list(ks), xlabel="devices", ylabel="ms per test-set pass", logx=True)
+    figure = jdp.plot.curves(
+        {mode: [1000 * r["seconds_median"] for r in results if r["mode"] == mode] for mode in ("all", "device0")},
+        xs=list(ks), xlabel="devices", ylabel="ms per test-set pass", logx=True)
+    jdp.plot.save(figure, out / "eval.png")
     if len(accs) != 1:
         raise SystemExit(verdict)
 

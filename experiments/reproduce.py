@@ -50,10 +50,11 @@ def main() -> None:
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    from jdp import plot as jplot
+    import jdp
 
-    jplot.curves({f"{len(r['devices'])} dev, {r['allreduce']}": [e["test_acc"] for e in r["epochs"]] for r in runs},
-                 path, xlabel="epoch", ylabel="test accuracy")
+    figure = jdp.plot.curves({f"{len(r['devices'])} dev, {r['allreduce']}": [e["test_acc"] for e in r["epochs"]]
+                              for r in runs}, xlabel="epoch", ylabel="test accuracy")
+    jdp.plot.save(figure, path)
 
 
 if __name__ == "__main__":

@@ -21,24 +21,20 @@ def main() -> None:
     plan = QUICK if args.quick else FULL
     epochs = args.epochs or plan["epochs"]
 
-    from jdp import xla_flags
+    import jdp
 
-    xla_flags.enable()  # as `jdp train` does: faster kernels, same math (set before JAX starts)
+    jdp.enable_xla_flags()  # as `jdp train` does: faster kernels, same math (set before JAX starts)
     import jax
 
-    jax.config.update("jax_num_cpu_devices", max(plan["ks"]))
-    from jdp import data, devices as jdevices, plot
-    from jdp.train import TrainConfig, train
-
-    dataset = (data.synthetic(jax.random.key(0), n_train=1024, n_test=256) if args.quick
-               else data.load_idx(args.data_dir))
+    jdp.simulate_cpu_devices(max(plan["ks"]))
+    dataset = common.load_data(args, n_train=1024, n_test=256)
     base = 64 if args.quick else 256
     runs = []
 
     def run(k: int, lr: float, warmup_steps: int) -> float:
-        config = TrainConfig(batch_size=base * k, lr=lr, epochs=epochs, warmup_steps=warmup_steps)
+        config = jdp.TrainConfig(batch_size=base * k, lr=lr, epochs=epochs, warmup_steps=warmup_steps)
         start = time.perf_counter()
-        _, history = train(config, dataset, jdevices.select_devices(k))
+        _, history = jdp.train(config, dataset, jdp.select_devices(k))
         acc = history[-1].test_acc
         runs.append({"k": k, "batch_size": base * k, "lr": lr, "warmup_steps": warmup_steps, "test_acc": acc,
                      "test_acc_per_epoch": [r.test_acc for r in history], "seconds": time.perf_counter() - start})
@@ -69,9 +65,10 @@ def main() -> None:
     common.write_outputs(out, "scaling", {"quick": args.quick, "epochs": epochs, "machine": common.machine(),
                                           "jax_version": jax.__version__, "runs": runs,
                                           "linear_scaling": {str(k): v for k, v in lsr.items()}}, table)
-    plot.curves({f"k={k} (batch {base * k})": [sweep[k][lr] for lr in plan["lrs"]] for k in plan["ks"]},
-                out / "scaling.png", xs=plan["lrs"], xlabel="learning rate", ylabel="final test accuracy",
-                logx=True, title=f"{epochs} epoch(s) per run")
+    figure = jdp.plot.curves({f"k={k} (batch {base * k})": [sweep[k][lr] for lr in plan["lrs"]] for k in plan["ks"]},
+                             xs=plan["lrs"], xlabel="learning rate", ylabel="final test accuracy", logx=True,
+                             title=f"{epochs} epoch(s) per run")
+    jdp.plot.save(figure, out / "scaling.png")
 
 
 def conclusion(sweep: dict, lsr: dict, ks) -> str:

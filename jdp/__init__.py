@@ -1,0 +1,73 @@
+"""jdp: data-parallel training from scratch in functional JAX.
+
+The public API. The lesson's names (`replicate`, `split_batch`, a step that allreduces the
+gradients) and the extension points: your own `Model`, your own `Allreduce` (checked by
+`jdp.testing.check_allreduce`), through the same training loop, guards and checkpoints.
+Everything not listed in `__all__` is an implementation detail.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from jdp import plot, testing
+from jdp.data import Dataset, Split
+from jdp.data import load as load_dataset
+from jdp.data import synthetic as synthetic_dataset
+from jdp.errors import ConfigError, DataError, DeviceError, JdpError, TrainingError
+from jdp.models import Model, summed_cross_entropy
+from jdp.models import get as get_model
+from jdp.models import names as model_names
+from jdp.models import register as register_model
+from jdp.parallel.allreduce import Allreduce, fused
+from jdp.parallel.allreduce import get as get_allreduce
+from jdp.parallel.allreduce import names as allreduce_names
+from jdp.parallel.allreduce import register as register_allreduce
+from jdp.parallel.layout import replicate, split_batch, unreplicate
+from jdp.parallel.step import make_train_step
+from jdp.runtime.devices import AXIS, select_devices, simulate_cpu_devices
+from jdp.runtime.devices import describe as describe_devices
+from jdp.runtime.xla_flags import enable as enable_xla_flags
+from jdp.training.evaluate import make_evaluator
+from jdp.training.loop import EpochRecord, TrainConfig, train
+
+try:
+    __version__ = version("jdp")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "AXIS",
+    "Allreduce",
+    "ConfigError",
+    "DataError",
+    "Dataset",
+    "DeviceError",
+    "EpochRecord",
+    "JdpError",
+    "Model",
+    "Split",
+    "TrainConfig",
+    "TrainingError",
+    "__version__",
+    "allreduce_names",
+    "describe_devices",
+    "enable_xla_flags",
+    "fused",
+    "get_allreduce",
+    "get_model",
+    "load_dataset",
+    "make_evaluator",
+    "make_train_step",
+    "model_names",
+    "plot",
+    "register_allreduce",
+    "register_model",
+    "replicate",
+    "select_devices",
+    "simulate_cpu_devices",
+    "split_batch",
+    "synthetic_dataset",
+    "testing",
+    "summed_cross_entropy",
+    "train",
+    "unreplicate",
+]

@@ -1,5 +1,5 @@
 import sys
 
-from jdp.cli import main
+from jdp.cli.main import main
 
 sys.exit(main())

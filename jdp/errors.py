@@ -23,3 +23,9 @@ class DeviceError(JdpError, RuntimeError):
 
 class TrainingError(JdpError, RuntimeError):
     """A run stopped because its numbers went wrong (non-finite values, replicas that diverged)."""
+
+
+def check_positive(flag: str, value: int, unit: str = "integer") -> None:
+    """Raises ConfigError unless `value`, given as `flag`, is at least 1 (the one copy of this check)."""
+    if value < 1:
+        raise ConfigError(f"`{flag}` must be a positive {unit}, got {value}.")

@@ -1,79 +1,83 @@
-"""Figures, written to files (matplotlib's Agg backend: no display needed)."""
+"""Figures of runs and benchmarks, returned as matplotlib `Figure`s.
+
+They are built with `matplotlib.figure.Figure`, not pyplot: nothing here touches matplotlib's
+global state or backend, so a notebook keeps its own and displays them inline, and a script
+saves them with `save(figure, path)` (or `figure.savefig`).
+"""
 
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 
 
-@contextmanager
-def _figure(path: str | os.PathLike, title: str, size: tuple[float, float] = (5.5, 3.6),
-            title_size: int = 9) -> Iterator[plt.Axes]:
-    """One set of axes, written to `path` with a grid, a legend and `title` once the caller has drawn."""
-    fig, ax = plt.subplots(figsize=size)
-    try:
-        yield ax
-        ax.grid(alpha=0.3, which="both")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-        if title:
-            ax.set_title(title, fontsize=title_size)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-    finally:
-        plt.close(fig)
+def _figure(size: tuple[float, float] = (5.5, 3.6)) -> tuple[Figure, Axes]:
+    figure = Figure(figsize=size)
+    return figure, figure.add_subplot()
 
 
-def accuracy_per_epoch(
-    test_acc: Sequence[float], path: str | os.PathLike, title: str = ""
-) -> None:
+def _finish(figure: Figure, ax: Axes, title: str, title_size: int = 9) -> Figure:
+    """A grid, a legend if anything is labelled, the title, a tight layout."""
+    ax.grid(alpha=0.3, which="both")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=title_size)
+    figure.tight_layout()
+    return figure
+
+
+def save(figure: Figure, path: str | os.PathLike, dpi: int = 120) -> None:
+    """Writes `figure` to `path` (the format follows the suffix, e.g. .png)."""
+    figure.savefig(path, dpi=dpi)
+
+
+def accuracy_per_epoch(test_acc: Sequence[float], title: str = "") -> Figure:
     """The lesson's plot: test accuracy after each epoch."""
-    with _figure(path, title, size=(4.5, 3.2)) as ax:
-        ax.plot(range(1, len(test_acc) + 1), test_acc, marker="o", label="test acc")
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("test accuracy")
-        ax.set_xlim(0.5, max(len(test_acc), 1) + 0.5)
-        ax.set_ylim(0, 1)
+    figure, ax = _figure((4.5, 3.2))
+    ax.plot(range(1, len(test_acc) + 1), test_acc, marker="o", label="test acc")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test accuracy")
+    ax.set_xlim(0.5, max(len(test_acc), 1) + 0.5)
+    ax.set_ylim(0, 1)
+    return _finish(figure, ax, title)
 
 
 def curves(
     series: dict[str, Sequence[float]],
-    path: str | os.PathLike,
     *,
     xs: Sequence[float] | None = None,
     xlabel: str = "",
     ylabel: str = "",
     logx: bool = False,
     title: str = "",
-) -> None:
+) -> Figure:
     """One line per labelled series over shared x values (default 1, 2, ...)."""
-    with _figure(path, title) as ax:
-        for label, ys in series.items():
-            ax.plot(xs if xs is not None else range(1, len(ys) + 1), ys, marker="o", label=label)
-        if logx:
-            ax.set_xscale("log", base=2)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
+    figure, ax = _figure()
+    for label, ys in series.items():
+        ax.plot(xs if xs is not None else range(1, len(ys) + 1), ys, marker="o", label=label)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    return _finish(figure, ax, title)
 
 
-def busbw_vs_size(rows: Sequence[dict], path: str | os.PathLike, title: str = "") -> None:
+def busbw_vs_size(rows: Sequence[dict], title: str = "") -> Figure:
     """nccl-tests' picture: bus bandwidth against buffer size, one line per allreduce algorithm.
 
     Args:
       rows: `jdp bench allreduce` results (algorithm, size_bytes, busbw_gbps).
-      path: the image file to write.
       title: shown above the plot.
     """
-    with _figure(path, title, title_size=8) as ax:
-        for algorithm in dict.fromkeys(r["algorithm"] for r in rows):
-            mine = [r for r in rows if r["algorithm"] == algorithm]
-            ax.plot([r["size_bytes"] for r in mine], [r["busbw_gbps"] for r in mine], marker="o", label=algorithm)
-        ax.set_xscale("log", base=2)
-        if all(r["busbw_gbps"] > 0 for r in rows):  # on 1 device busbw is 0: nothing crosses a link
-            ax.set_yscale("log")
-        ax.set_xlabel("bytes per device")
-        ax.set_ylabel("busbw (GB/s)")
+    figure, ax = _figure()
+    for algorithm in dict.fromkeys(r["algorithm"] for r in rows):
+        mine = [r for r in rows if r["algorithm"] == algorithm]
+        ax.plot([r["size_bytes"] for r in mine], [r["busbw_gbps"] for r in mine], marker="o", label=algorithm)
+    ax.set_xscale("log", base=2)
+    if all(r["busbw_gbps"] > 0 for r in rows):  # on 1 device busbw is 0: nothing crosses a link
+        ax.set_yscale("log")
+    ax.set_xlabel("bytes per device")
+    ax.set_ylabel("busbw (GB/s)")
+    return _finish(figure, ax, title, title_size=8)

@@ -3,8 +3,7 @@
 import jax
 import numpy as np
 
-from jdp import lenet
-from jdp.step import summed_cross_entropy
+from jdp.models import lenet, summed_cross_entropy
 
 LOSS = summed_cross_entropy(lenet.apply)
 

@@ -10,13 +10,18 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from optax import sgd
 
-from jdp import allreduce, bench_allreduce, cli, data, lenet
+from jdp import cli, data
+from jdp.bench import allreduce as bench_allreduce
 from jdp.errors import ConfigError
-from jdp.placement import AXIS, device_axis_sharding, replicate, split_batch, unreplicate
-from jdp.step import make_train_step, sgd, summed_cross_entropy
+from jdp.models import lenet, summed_cross_entropy
+from jdp.parallel import allreduce
+from jdp.parallel.layout import replicate, sharded, split_batch, unreplicate
+from jdp.parallel.step import make_train_step
+from jdp.runtime.devices import AXIS
 
-ALGORITHMS = list(allreduce.STRATEGIES)
+ALGORITHMS = list(allreduce.names())
 SHAPES = [(), (0,), (1,), (2,), (3,), (7,), (13,), (2, 5), (3, 0, 2)]  # scalars, empty, not divisible by k
 DTYPES = [jnp.float32, jnp.bfloat16]
 MODES = [(False, None), (True, None), (True, 24 / 2**20)]  # per leaf, one buffer per dtype, 24-byte buckets
@@ -24,7 +29,7 @@ MODES = [(False, None), (True, None), (True, 24 / 2**20)]  # per leaf, one buffe
 
 def place(tree, devices):
     """Host leaves of shape (k, ...) → global arrays with slice i on device i."""
-    return jax.tree.map(lambda leaf: jax.device_put(leaf, device_axis_sharding(devices)), tree)
+    return jax.tree.map(lambda leaf: jax.device_put(leaf, sharded(devices)), tree)
 
 
 def run(strategy: allreduce.Allreduce, tree, devices):
@@ -190,8 +195,8 @@ def test_bench_allreduce_quick(tmp_path, capsys):
 
 
 def test_bench_allreduce_counts_a_wrong_sum(devices, monkeypatch):
-    broken = allreduce.Allreduce("broken", "outside", lambda tree: jax.tree.map(lambda x: x * 2, tree))
-    monkeypatch.setitem(allreduce.STRATEGIES, "broken", broken)
+    broken = allreduce.Allreduce("broken", lambda tree: jax.tree.map(lambda x: x * 2, tree), "outside")
+    monkeypatch.setitem(allreduce._STRATEGIES, "broken", broken)
     rows = bench_allreduce.bench_allreduce(devices[:2], [64], ["broken"], repeats=1)
     assert rows[0]["wrong"] == 2 * 16  # every element on both devices
 

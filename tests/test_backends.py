@@ -5,15 +5,20 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-
-from jdp import allreduce, data, distributed, lenet
-from jdp.errors import ConfigError
-from jdp.placement import AXIS
-from jdp.step import make_evaluator, make_train_step, sgd
+from optax import sgd
 from reference import LOSS, assert_replicas_identical, single_device_full_batch
 
-INSIDE = [name for name, s in allreduce.STRATEGIES.items() if s.where == "inside"]
-OUTSIDE = [name for name, s in allreduce.STRATEGIES.items() if s.where == "outside"]
+from jdp import data
+from jdp.errors import ConfigError
+from jdp.models import lenet
+from jdp.parallel import allreduce, layout
+from jdp.parallel.step import make_train_step
+from jdp.runtime import devices as jdp_devices
+from jdp.runtime.devices import AXIS
+from jdp.training.evaluate import make_evaluator
+
+INSIDE = list(allreduce.names("inside"))
+OUTSIDE = list(allreduce.names("outside"))
 BATCH = 24  # divisible by every device count tested
 
 
@@ -26,17 +31,21 @@ def batches():
 def run_steps(strategy, backend, devices, batches, lr=0.2):
     optimizer = sgd(lr)
     params = lenet.init(jax.random.key(0))
-    p = distributed.put_replicated(params, devices, backend)
-    s = distributed.put_replicated(optimizer.init(params), devices, backend)
+    p = layout.replicate(params, devices, backend)
+    s = layout.replicate(optimizer.init(params), devices, backend)
     step = make_train_step(LOSS, optimizer, allreduce.get(strategy), devices, backend=backend)
     for x, y in batches:
-        p, s, losses = step(p, s, *distributed.put_batch(x, y, len(x), devices, backend))
+        p, s, losses = step(p, s, *layout.split_batch(x, y, devices, backend))
         assert losses.shape == (len(devices),)
     return p
 
 
-CASES = [(s, b, k) for s in INSIDE for b in distributed.BACKENDS for k in (3, 8)]  # 3: not a power of 2
-CASES += [(s, "shard_map", 3) for s in OUTSIDE]  # under pmap: tests/test_step.py, tests/test_allreduce.py
+# 3: not a power of 2. The fast tier keeps psum and manual under shard_map (under pmap: tests/test_step.py);
+# every strategy's sum is checked on 1-8 devices by tests/test_testing.py.
+FAST = {("psum", "pmap", 3), ("psum", "shard_map", 3), ("manual", "shard_map", 3)}
+CASES = [(s, b, k) for s in INSIDE for b in layout.BACKENDS for k in (3, 8)]
+CASES += [(s, "shard_map", 3) for s in OUTSIDE]
+CASES = [case if case in FAST else pytest.param(*case, marks=pytest.mark.slow) for case in CASES]
 
 
 @pytest.mark.parametrize(("strategy", "backend", "k"), CASES)
@@ -44,12 +53,12 @@ def test_every_strategy_under_both_backends_equals_one_device(strategy, backend,
     params = run_steps(strategy, backend, devices[:k], batches)
     assert_replicas_identical(params)
     chex.assert_trees_all_close(
-        distributed.local_copy(params, backend), single_device_full_batch(batches), rtol=1e-5, atol=1e-8
+        layout.unreplicate(params, backend), single_device_full_batch(batches), rtol=1e-5, atol=1e-8
     )
 
 
 def test_shard_map_layout_is_replicated_params_and_sharded_batch(devices, batches):
-    x, y = distributed.put_batch(*batches[0], BATCH, devices[:4], "shard_map")
+    x, y = layout.split_batch(*batches[0], devices[:4], "shard_map")
     assert x.shape == batches[0][0].shape and x.sharding.spec == P(AXIS)
     assert [s.data.shape[0] for s in x.addressable_shards] == [BATCH // 4] * 4
     params = run_steps("psum", "shard_map", devices[:4], batches[:1])
@@ -62,10 +71,10 @@ def one_sgd_step_delta(step_builder, devices, x, y):
     """params before minus after one SGD step with lr 1: the gradient the step applied."""
     optimizer = sgd(1.0)
     params = lenet.init(jax.random.key(0))
-    p = distributed.put_replicated(params, devices, "shard_map")
-    s = distributed.put_replicated(optimizer.init(params), devices, "shard_map")
-    p, _, _ = step_builder(optimizer)(p, s, *distributed.put_batch(x, y, len(x), devices, "shard_map"))
-    return jax.tree.map(lambda a, b: a - np.asarray(b), params, distributed.local_copy(p, "shard_map"))
+    p = layout.replicate(params, devices, "shard_map")
+    s = layout.replicate(optimizer.init(params), devices, "shard_map")
+    p, _, _ = step_builder(optimizer)(p, s, *layout.split_batch(x, y, devices, "shard_map"))
+    return jax.tree.map(lambda a, b: a - np.asarray(b), params, layout.unreplicate(p, "shard_map"))
 
 
 def test_shard_map_sums_gradients_exactly_once(devices, batches):
@@ -87,7 +96,7 @@ def test_shard_map_sums_gradients_exactly_once(devices, batches):
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return jax.tree.map(lambda a, u: a + u, params, updates), opt_state, jax.numpy.zeros(1)
 
-        return jax.jit(jax.shard_map(local, mesh=distributed.mesh(ds), in_specs=(P(), P(), P(AXIS), P(AXIS)),
+        return jax.jit(jax.shard_map(local, mesh=jdp_devices.mesh(ds), in_specs=(P(), P(), P(AXIS), P(AXIS)),
                                      out_specs=(P(), P(), P(AXIS)), check_vma=True))
 
     doubled = one_sgd_step_delta(summed_twice, ds, x, y)
@@ -102,7 +111,7 @@ def test_shard_map_eval_equals_single_device(on_all_devices, devices):
     params = jax.tree.map(lambda w: w * 30, lenet.init(jax.random.key(3)))
     evaluate = make_evaluator(lenet.apply, devices[:3], batch_size=96, on_all_devices=on_all_devices,
                               backend="shard_map")
-    acc = evaluate(distributed.put_replicated(params, devices[:3], "shard_map"), ds.test.images, ds.test.labels)
+    acc = evaluate(layout.replicate(params, devices[:3], "shard_map"), ds.test.images, ds.test.labels)
     expected = float((np.asarray(lenet.apply(params, ds.test.images)).argmax(-1) == ds.test.labels).mean())
     assert acc == expected and 0.0 < expected < 1.0
 

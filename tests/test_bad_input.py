@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jdp import checkpoint, cli, data
+from jdp import cli, data
+from jdp.training import checkpoint
 
 SAVED = {"history.json": b'{"saved": "by an earlier run"}\n', "accuracy.png": b"\x89PNG earlier"}
 
@@ -117,7 +118,7 @@ def test_images_labels_count_mismatch(capsys, tmp_path, out):
         (["--checkpoint-every", "5"], "`--checkpoint-every` needs `--checkpoint-dir DIR`"),
         (["--resume"], "`--resume` needs `--checkpoint-dir DIR`"),
         (["--check-replicas", "0"], "`--check-replicas` must be a positive number of steps, got 0"),
-        (["--model", "resnet50"], "argument --model: invalid choice: 'resnet50'"),
+        (["--model", "resnet50"], "`--model` must be one of lenet, lenet_flax, resnet18, got `resnet50`"),
         (["--batchnorm", "sync"], "`--batchnorm` applies to models with BatchNorm (resnet18), not `--model lenet`"),
         (["--model", "resnet18", "--batchnorm", "per-replica", "--backend", "shard_map"],
          "`--batchnorm per-replica` keeps different statistics on each device"),

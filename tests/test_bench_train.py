@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from jdp import bench_train
+from jdp.bench import train as bench_train
 
 
 def test_flops_per_image_is_the_lessons_model():

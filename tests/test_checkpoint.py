@@ -10,11 +10,15 @@ import time
 import jax
 import numpy as np
 import pytest
+from optax import sgd
 
-from jdp import checkpoint, cli, data, distributed, lenet, pipeline
+from jdp import cli, data
 from jdp.errors import ConfigError, DataError
-from jdp.step import sgd
-from jdp.train import TrainConfig, checkpoint_target, train
+from jdp.models import lenet
+from jdp.parallel import layout
+from jdp.training import checkpoint
+from jdp.training import feeders as pipeline
+from jdp.training.loop import TrainConfig, checkpoint_target, train
 
 
 def state(seed=0):
@@ -90,7 +94,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog
     raw = bytearray(newest.read_bytes())
     raw[-100] ^= 1  # one flipped bit
     newest.write_bytes(bytes(raw))
-    with caplog.at_level(logging.WARNING, logger="jdp.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="jdp.training.checkpoint"):
         got = checkpoint.restore_latest(tmp_path, state())
     assert got.step == 5
     assert "checkpoint-000000010.msgpack is corrupt" in caplog.text
@@ -159,6 +163,7 @@ def final_state(directory):
     return checkpoint.restore_latest(directory, checkpoint_target(TrainConfig(lr=0.1)))
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path, devices, capsys):
     """SIGKILL a real `jdp train` process mid-epoch, `--resume` it: the final params, optimizer state and
     history equal an uninterrupted run's, bit for bit. (The resumed and the uninterrupted run use the CLI
@@ -238,7 +243,7 @@ def test_a_resumed_epoch_skips_exactly_the_batches_done(devices):
     key = jax.random.key(3)
     whole = list(pipeline.epoch_batches(SMALL.train, 16, key))
     for batches in (pipeline.epoch_batches(SMALL.train, 16, key, skip=3),
-                    distributed.process_batches(SMALL.train, 16, key, devices[:2], skip=3)):
+                    pipeline.epoch_batches(SMALL.train, 16, key, skip=3, rows=layout.process_rows(16, devices[:2]))):
         rest = list(batches)
         assert len(rest) == len(whole) - 3
         for (x, y), (x0, y0) in zip(rest, whole[3:], strict=True):

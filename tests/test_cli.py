@@ -39,7 +39,7 @@ def test_train_synthetic_end_to_end(tmp_path):
     [
         (["--batch-size", "10", "--cpu-devices", "4", "--devices", "4"], "divisible by the number of devices"),
         (["--cpu-devices", "2", "--devices", "3"], "more devices than exist"),
-        (["--devices", "0"], "`--devices` must be at least 1"),
+        (["--devices", "0"], "`--devices` must be a positive integer, got 0"),
         (["--lr", "-1"], "`--lr` must be positive"),
         (["--epochs", "0"], "`--epochs` must be a positive integer"),
         (["--allreduce", "nope"], "Unknown allreduce strategy `nope`"),

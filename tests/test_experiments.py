@@ -10,6 +10,7 @@ import pytest
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["reproduce", "scaling", "eval", "concise"])
 def test_quick_mode_writes_outputs(name, tmp_path):
     result = subprocess.run([sys.executable, str(EXPERIMENTS / f"{name}.py"), "--quick", "--out", str(tmp_path)],

@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdp import lenet, lenet_fast
-from jdp.step import summed_cross_entropy
+from jdp.models import lenet, lenet_fast, summed_cross_entropy
 
 
 @pytest.fixture(scope="module")

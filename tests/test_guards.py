@@ -6,13 +6,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from optax import sgd
 
-from jdp import allreduce, checkpoint, cli, data, guards, lenet
+from jdp import cli, data
 from jdp.errors import TrainingError
-from jdp.inflight import InFlight
-from jdp.placement import replicate, split_batch
-from jdp.step import make_train_step, sgd
-from jdp.train import TrainConfig, checkpoint_target, train
+from jdp.models import lenet
+from jdp.parallel import allreduce
+from jdp.parallel.inflight import InFlight
+from jdp.parallel.layout import replicate, split_batch
+from jdp.parallel.step import make_train_step
+from jdp.training import checkpoint, guards
+from jdp.training.loop import TrainConfig, checkpoint_target, train
 
 LOSSES = np.ones(8, np.float32)
 
@@ -97,14 +101,14 @@ def test_absurd_lr_stops_with_the_step_and_the_last_good_checkpoint(tmp_path, ca
 def broken_allreduce(device_index: int) -> allreduce.Allreduce:
     """The lesson's allreduce with a bug: device `device_index` receives a wrong sum for `b4`."""
     def fn(tree):
-        total = allreduce.STRATEGIES["manual"].fn(tree)
+        total = allreduce.get("manual").fn(tree)
         return {**total, "b4": corrupt(total["b4"], device_index, delta=1.0)}
 
-    return allreduce.Allreduce("broken", "outside", fn)
+    return allreduce.Allreduce("broken", fn, "outside")
 
 
 def test_check_replicas_stops_a_run_whose_replicas_diverge(devices, monkeypatch):
-    monkeypatch.setitem(allreduce.STRATEGIES, "broken", broken_allreduce(5))
+    monkeypatch.setitem(allreduce._STRATEGIES, "broken", broken_allreduce(5))
     dataset = data.synthetic(jax.random.key(0), n_train=64, n_test=8)
     config = TrainConfig(batch_size=8, lr=0.1, epochs=1, allreduce="broken")
     with pytest.raises(TrainingError, match=r"Replicas diverged by step 3: `\['params'\]\['b4'\]` on CpuDevice\(id=5\) "
@@ -113,7 +117,8 @@ def test_check_replicas_stops_a_run_whose_replicas_diverge(devices, monkeypatch)
     train(dataclasses.replace(config, allreduce="manual"), dataset, devices, check_replicas=1)
 
 
-@pytest.mark.parametrize("name", list(allreduce.STRATEGIES))
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(allreduce.names()))
 def test_two_thousand_steps_on_eight_devices_finish(name, devices):
     """Steps are dispatched asynchronously; unbounded, collectives pile up and freeze XLA's CPU rendezvous
     (JAX <= 0.11 on 2 cores). With the loop's window of in-flight steps, 2,000 steps of every strategy finish.

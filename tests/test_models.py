@@ -10,13 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jdp import allreduce, data, distributed, flax_models, lenet, models
-from jdp.errors import ConfigError
-from jdp.placement import AXIS
-from jdp.step import make_train_step, sgd
-from jdp.train import TrainConfig, train
+from optax import sgd
 from reference import LOSS, assert_replicas_identical, single_device_full_batch
+
+from jdp import data, models
+from jdp.errors import ConfigError
+from jdp.models import flax as flax_models
+from jdp.models import lenet
+from jdp.parallel import allreduce, layout
+from jdp.parallel.step import make_train_step
+from jdp.runtime.devices import AXIS
+from jdp.training.loop import TrainConfig, train
 
 BATCH = 24  # divisible by 1, 2, 3, 4, 8
 
@@ -52,19 +56,19 @@ def run_steps(model, strategy, backend, devices, batches, lr=0.1, variables=None
     variables = model.init(jax.random.key(0)) if variables is None else variables
     variables = jax.tree.map(lambda a: np.asarray(a, dtype), variables)
     batches = [(np.asarray(x, dtype), y) for x, y in batches]
-    v = distributed.put_replicated(variables, devices, backend)
-    s = distributed.put_replicated(optimizer.init(models.trainable(model, variables)), devices, backend)
+    v = layout.replicate(variables, devices, backend)
+    s = layout.replicate(optimizer.init(models.trainable(model, variables)), devices, backend)
     step = make_train_step(model.loss, optimizer, allreduce.get(strategy), devices, backend=backend,
                            stateful=model.stateful)
     losses = []
     for x, y in batches:
-        v, s, loss = step(v, s, *distributed.put_batch(x, y, len(x), devices, backend))
+        v, s, loss = step(v, s, *layout.split_batch(x, y, devices, backend))
         losses.append(np.asarray(loss).sum())
     return v, np.array(losses)
 
 
 def first_copy(tree, backend):
-    return distributed.local_copy(tree, backend)
+    return layout.unreplicate(tree, backend)
 
 
 def device_copy(tree, i):
@@ -108,7 +112,7 @@ def small(batches):
 
 
 SYNC_CASES = [
-    ("resnet18", "psum", "pmap", 4),
+    pytest.param("resnet18", "psum", "pmap", 4, marks=pytest.mark.slow),  # float64 ResNet-18: minutes on 2 cores
     ("tiny", "manual", "pmap", 4),
     ("tiny", "tree", "shard_map", 3),
     ("tiny", "manual_ring", "shard_map", 2),
@@ -130,7 +134,7 @@ def test_sync_batchnorm_on_k_devices_equals_one_device_on_the_full_batch(name, s
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["resnet18", "tiny"])
+@pytest.mark.parametrize("name", [pytest.param("resnet18", marks=pytest.mark.slow), "tiny"])
 def test_per_replica_batchnorm_normalises_each_shard_on_its_own(name, devices, batches):
     """Per-replica BN on k devices is NOT the full-batch result: device i's statistics are those of
     one device stepping on shard i alone, and the update is the allreduced sum of the shards'
@@ -184,6 +188,7 @@ def _batches():
     return [(ds.train.images[:8], ds.train.labels[:8])]
 
 
+@pytest.mark.slow
 def test_per_replica_training_passes_the_replica_check(devices):
     """`train` with per-replica BN: the replica check compares params and optimizer state (the
     statistics are meant to differ mid-epoch; comparing them too would stop this run at step 1)."""

@@ -17,9 +17,11 @@ import jax
 import numpy as np
 import pytest
 
-from jdp import data, distributed, launch
+from jdp import data
 from jdp.errors import ConfigError
-from jdp.train import TrainConfig, train
+from jdp.parallel import layout
+from jdp.runtime import distributed, launch
+from jdp.training.loop import TrainConfig, train
 
 SYNTHETIC = dict(n_train=96, n_test=40)  # 96 / 16 = 6 steps per epoch
 CONFIG = dict(batch_size=16, lr=0.5, epochs=1, allreduce="psum", seed=3)
@@ -91,7 +93,7 @@ def test_single_process_without_flags_or_cluster():
 def test_each_process_loads_its_own_rows_of_every_batch(monkeypatch):
     """Two processes' slices tile each batch of the single-process `epoch_batches`: same order,
     no overlap, no row lost (devices are stand-ins: only `process_index` is read)."""
-    from jdp.pipeline import epoch_batches
+    from jdp.training.feeders import epoch_batches
 
     fake = [type("Device", (), {"process_index": p})() for p in (0, 0, 1, 1)]
     split = data.synthetic(jax.random.key(5), n_train=40, n_test=1).train
@@ -99,8 +101,8 @@ def test_each_process_loads_its_own_rows_of_every_batch(monkeypatch):
     per_process = []
     for p in (0, 1):
         monkeypatch.setattr(jax, "process_index", lambda p=p: p)
-        assert distributed.process_rows(8, fake) == slice(4 * p, 4 * p + 4)
-        per_process.append(list(distributed.process_batches(split, 8, key, fake, skip=1)))
+        assert layout.process_rows(8, fake) == slice(4 * p, 4 * p + 4)
+        per_process.append(list(epoch_batches(split, 8, key, skip=1, rows=layout.process_rows(8, fake))))
     whole = list(epoch_batches(split, 8, key, skip=1))  # skip: a run resumed after batch 1
     assert len(whole) == len(per_process[0]) == len(per_process[1]) == 4
     for (x, y), (x0, y0), (x1, y1) in zip(whole, *per_process):
@@ -109,9 +111,9 @@ def test_each_process_loads_its_own_rows_of_every_batch(monkeypatch):
 
 
 def test_one_process_loads_every_row(devices):
-    assert distributed.process_rows(16, devices[:4]) == slice(0, 16)
+    assert layout.process_rows(16, devices[:4]) == slice(0, 16)
     with pytest.raises(ConfigError, match="divisible by the number of devices"):
-        distributed.process_rows(10, devices[:4])
+        layout.process_rows(10, devices[:4])
 
 
 # --- real jobs: 2 processes x 2 simulated CPU devices over loopback --------------------------------
@@ -119,8 +121,11 @@ def test_one_process_loads_every_row(devices):
 DRIVER = textwrap.dedent("""
     import argparse, sys
     import numpy as np
-    from jdp import data, devices, distributed
-    from jdp.train import TrainConfig, train
+    from jdp import data
+    from jdp.runtime import devices
+    from jdp.runtime import distributed
+    from jdp.parallel import layout
+    from jdp.training.loop import TrainConfig, train
 
     parser = argparse.ArgumentParser()
     for flag in ("--coordinator", "--num-processes", "--process-id", "--cpu-devices", "--save"):
@@ -130,14 +135,15 @@ DRIVER = textwrap.dedent("""
     assert distributed.initialize(a.coordinator, int(a.num_processes), int(a.process_id))
     import jax
     dataset = data.synthetic(jax.random.key(0), **{synthetic})
-    for backend in distributed.BACKENDS:
-        params, history = train(TrainConfig(**{config}, backend=backend), dataset, distributed.global_devices())
+    for backend in layout.BACKENDS:
+        params, history = train(TrainConfig(**{config}, backend=backend), dataset, devices.select_devices())
         print(backend, "train loss", history[-1].train_loss, "test acc", history[-1].test_acc, flush=True)
         if jax.process_index() == 0:
             np.savez(a.save + backend + ".npz", *[np.asarray(leaf) for leaf in jax.tree.leaves(params)])
 """)
 
 
+@pytest.mark.slow
 def test_two_processes_end_with_the_params_of_one_process_with_all_devices(devices, tmp_path):
     """Both backends: 2 processes x 2 devices vs 1 process x 4 devices, the same global batches."""
     script = tmp_path / "driver.py"
@@ -146,7 +152,7 @@ def test_two_processes_end_with_the_params_of_one_process_with_all_devices(devic
                          sys.executable, str(script), "--save", str(tmp_path / "params-")], timeout=360)
     assert result.returncode == 0, result.stderr[-3000:]
     dataset = data.synthetic(jax.random.key(0), **SYNTHETIC)
-    for backend in distributed.BACKENDS:
+    for backend in layout.BACKENDS:
         expected, history = train(TrainConfig(**CONFIG, backend=backend), dataset, devices[:4])
         saved = np.load(tmp_path / f"params-{backend}.npz")
         got = [saved[f"arr_{i}"] for i in range(len(saved.files))]
@@ -156,6 +162,7 @@ def test_two_processes_end_with_the_params_of_one_process_with_all_devices(devic
             assert line in result.stdout, result.stdout
 
 
+@pytest.mark.slow
 def test_jdp_train_through_the_launcher_writes_from_process_0_only(tmp_path):
     out = tmp_path / "out"
     result = run_launch(["--num-processes", "2", "--cpu-devices-per-process", "2", "--timeout", "200", "--",
@@ -168,6 +175,7 @@ def test_jdp_train_through_the_launcher_writes_from_process_0_only(tmp_path):
     assert [e["epoch"] for e in history["epochs"]] == [1]
 
 
+@pytest.mark.slow
 def test_a_killed_worker_makes_the_launcher_fail_fast():
     """Killing process 1 once its first collective has connected (gloo logs it) or later
     leaves process 0 waiting inside a collective: the launcher must stop it and exit non-zero

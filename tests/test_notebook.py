@@ -1,6 +1,7 @@
 """Executes the lesson notebook top to bottom in quick mode so it can never silently rot."""
 
-from pathlib import Path
+from pathlib import pytest
+import Path
 
 import nbformat
 from nbclient import NotebookClient
@@ -8,6 +9,7 @@ from nbclient import NotebookClient
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "multiple_devices_from_scratch.ipynb"
 
 
+@pytest.mark.slow
 def test_notebook_runs_in_quick_mode(tmp_path, monkeypatch):
     monkeypatch.setenv("JDP_NOTEBOOK_QUICK", "1")
     notebook = nbformat.read(NOTEBOOK, as_version=4)

@@ -3,11 +3,15 @@
 import jax
 import numpy as np
 import pytest
+from optax import sgd
 
-from jdp import allreduce, data, lenet, pipeline
+from jdp import data
 from jdp.errors import ConfigError
-from jdp.placement import replicate, split_batch, unreplicate
-from jdp.step import make_train_step, sgd, summed_cross_entropy
+from jdp.models import lenet, summed_cross_entropy
+from jdp.parallel import allreduce
+from jdp.parallel.layout import replicate, split_batch, unreplicate
+from jdp.parallel.step import make_train_step
+from jdp.training import feeders as pipeline
 
 BATCH = 32
 OPTIMIZER = sgd(0.2)

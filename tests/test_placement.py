@@ -3,9 +3,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdp import allreduce, lenet
 from jdp.errors import ConfigError
-from jdp.placement import AXIS, replicate, split_batch, unreplicate
+from jdp.models import lenet
+from jdp.parallel import allreduce
+from jdp.parallel.layout import replicate, split_batch, unreplicate
+from jdp.runtime.devices import AXIS
 
 
 def test_replicate_puts_one_full_copy_on_each_device(devices, key):

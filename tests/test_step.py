@@ -2,12 +2,16 @@ import chex
 import jax
 import numpy as np
 import pytest
-
-from jdp import allreduce, data, lenet
-from jdp.inflight import InFlight
-from jdp.placement import replicate, split_batch, unreplicate
-from jdp.step import make_evaluator, make_train_step, sgd
+from optax import sgd
 from reference import LOSS, assert_replicas_identical, single_device_full_batch
+
+from jdp import data
+from jdp.models import lenet
+from jdp.parallel import allreduce
+from jdp.parallel.inflight import InFlight
+from jdp.parallel.layout import replicate, split_batch, unreplicate
+from jdp.parallel.step import make_train_step
+from jdp.training.evaluate import make_evaluator
 
 STRATEGIES = ["psum", "manual"]
 

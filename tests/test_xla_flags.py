@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from jdp import xla_flags
+from jdp.runtime import xla_flags
 
 
 def test_supported_matches_whole_nul_terminated_names(tmp_path):
@@ -19,7 +19,7 @@ def test_a_made_up_flag_is_not_supported_by_the_installed_jaxlib():
 
 SCRIPT = """
 import json, os, sys
-from jdp import xla_flags
+from jdp.runtime import xla_flags
 results = {}
 os.environ["XLA_FLAGS"] = "--xla_cpu_experimental_onednn_custom_call=false"
 results["user_flag_kept"] = [xla_flags.enable(), os.environ["XLA_FLAGS"]]

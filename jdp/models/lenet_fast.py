@@ -1,6 +1,6 @@
-"""The lesson's LeNet, same math and same params as `jdp.lenet`, formulated to run fast.
+"""The lesson's LeNet, same math and same params as `jdp.models.lenet`, formulated to run fast.
 
-Takes the params pytree of `jdp.lenet` (conv kernels OIHW, dense (in, out)) and NCHW images, and
+Takes the params pytree of `jdp.models.lenet` (conv kernels OIHW, dense (in, out)) and NCHW images, and
 returns the same logits, loss and gradients up to float rounding. What changes is how XLA is
 asked to compute them (measured on a 2-core Zen 4 CPU, see the README, "Speed"):
 
@@ -21,8 +21,8 @@ asked to compute them (measured on a 2-core Zen 4 CPU, see the README, "Speed"):
 import jax
 import jax.numpy as jnp
 
-from jdp import lenet
-from jdp.lenet import Params
+from jdp.models import lenet
+from jdp.models.lenet import Params
 
 _DIMS = ("NHWC", "HWIO", "NHWC")
 
@@ -66,7 +66,7 @@ def _avg_pool(x: jax.Array) -> jax.Array:
 
 
 def apply(params: Params, images: jax.Array) -> jax.Array:
-    """Logits for NCHW images of shape (N, 1, 28, 28); equal to `jdp.lenet.apply`."""
+    """Logits for NCHW images of shape (N, 1, 28, 28); equal to `jdp.models.lenet.apply`."""
     x = images.reshape(images.shape[0], 28, 28, 1)[:, :26, :26, :]  # C = 1: NCHW → NHWC is a reshape
     w1 = params["W1"].transpose(2, 3, 1, 0)  # OIHW → HWIO
     h = _avg_pool(jax.nn.relu(conv_one_channel(x, w1) + params["b1"]))  # (N, 12, 12, 20)

@@ -1,17 +1,18 @@
-"""Feeding the train step an epoch of batches, with as little Python and host traffic as possible.
+"""The one epoch runner: it feeds the train step an epoch of batches, from one of two feeders.
 
 The lesson's loop copies every batch from the host and waits on Python between steps. Here, when
 the training set fits, one copy of it lives on every device for the whole run (Fashion-MNIST is
 188 MB as float32); each epoch the permutation is drawn ON the devices from the epoch's key, and
 each step every device gathers its own rows of the batch from its copy. Nothing crosses host →
-device per step; the only host syncs are the bounded in-flight window (`jdp.inflight`). With
+device per step; the only host syncs are the bounded in-flight window (`jdp.parallel.inflight`). With
 `steps_per_call` S > 1 one compiled call runs S steps, so Python dispatches once per S steps. The
 S steps are unrolled in the program, not a `lax.scan`: XLA's CPU backend runs the convolutions
 inside a while loop 10-100x slower than outside one (measured on the LeNet step: 0.13 s vs 1.8 s
 on JAX 0.10, 11.8 s on 0.12).
 
-When the set does not fit, batches are copied from the host one call ahead of the call that uses
-them (double buffering).
+When the set does not fit, or the step is mapped with `shard_map` or spans several processes,
+batches are copied from the host one call ahead of the call that uses them (double buffering):
+each process copies only its rows of every batch (`jdp.parallel.layout.process_rows`).
 
 Both paths visit exactly the batches of `epoch_batches`: the same permutation in the same order,
 the last partial batch dropped, device i receiving rows [i·B/k, (i+1)·B/k) of each batch.
@@ -29,10 +30,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp.data import Split
-from jdp.errors import ConfigError
-from jdp.inflight import InFlight
-from jdp.placement import AXIS, device_axis_sharding, replicate, split_batch
-from jdp.step import TrainStep
+from jdp.errors import ConfigError, check_positive
+from jdp.parallel.inflight import InFlight
+from jdp.parallel.layout import Backend, process_rows, replicate, sharded, split_batch
+from jdp.parallel.step import TrainStep
+from jdp.runtime.devices import AXIS
 
 PyTree = Any
 State = tuple[PyTree, PyTree]  # (params, opt_state), both replicated
@@ -45,15 +47,17 @@ EpochRunner = Callable[..., tuple[State, list[jax.Array]]]
 
 
 def epoch_batches(
-    split: Split, batch_size: int, key: jax.Array, skip: int = 0
+    split: Split, batch_size: int, key: jax.Array, skip: int = 0, rows: slice = slice(None)
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Full batches of a fresh permutation (the last partial batch is dropped: shapes stay static).
 
-    The first `skip` batches are left out (a run resumed mid-epoch has trained on them).
+    The first `skip` batches are left out (a run resumed mid-epoch has trained on them). Only the
+    `rows` of each batch are gathered (a process's share, `process_rows`); the permutation drawn
+    from `key` is the same on every process.
     """
     order = np.asarray(jax.random.permutation(key, len(split.labels)))
     for start in range(skip * batch_size, len(order) - batch_size + 1, batch_size):
-        idx = order[start:start + batch_size]
+        idx = order[start:start + batch_size][rows]
         yield split.images[idx], split.labels[idx]
 
 
@@ -76,6 +80,7 @@ def make_epoch_runner(
     split: Split,
     devices: Sequence[jax.Device],
     batch_size: int,
+    backend: Backend = "pmap",
     *,
     steps_per_call: int = 1,
     traceable: bool = True,
@@ -84,14 +89,16 @@ def make_epoch_runner(
     """Builds `run_epoch(state, key, progress)`, which trains one epoch over `split`.
 
     Args:
-      step: the train step of `jdp.step.make_train_step` (pmap layout: batch (k, B/k, ...)).
-      split: the training images and labels, on the host.
-      devices: the devices of the step, in its order.
+      step: the train step of `jdp.make_train_step` for `backend`.
+      split: the training images and labels, on the host (every process holds all of them).
+      devices: the devices of the step, in its order (of one process or several).
       batch_size: the global batch B, a multiple of len(devices).
-      steps_per_call: steps per compiled call; > 1 needs `traceable`.
+      backend: the step's layout, "pmap" or "shard_map".
+      steps_per_call: steps per compiled call; > 1 needs `traceable`, `pmap` and one process.
       traceable: whether `step` can be traced inside `jax.jit` (a collective allreduce strategy);
         otherwise every step is its own call.
-      resident: keep the training set on the devices; None: if `fits_on_devices`.
+      resident: keep the training set on the devices (`pmap` in one process only); None: if it
+        `fits_on_devices` there, else copy batches from the host.
 
     Returns:
       run_epoch(state, key, progress, start=0, after_call=None) -> (state, losses). `state` is
@@ -99,14 +106,24 @@ def make_epoch_runner(
       (e.g. a progress bar). The epoch starts at batch `start` (a multiple of `steps_per_call`,
       so the calls are those of an uninterrupted epoch); `after_call(steps, state, losses)` is called
       after each call's dispatch. The summed loss of the steps run is the sum of all elements of `losses`.
+
+    Raises:
+      ConfigError: for settings the feeders cannot run (named by their flags).
     """
-    if steps_per_call < 1:
-        raise ConfigError(f"`--steps-per-call` must be at least 1, got {steps_per_call}.")
+    check_positive("--steps-per-call", steps_per_call)
     if steps_per_call > 1 and not traceable:
         raise ConfigError(
             f"`--steps-per-call {steps_per_call}` runs several steps in one compiled call, which needs a "
             "collective allreduce strategy (traceable inside `jax.jit`). Use `--steps-per-call 1` or `--allreduce psum`."
         )
+    single_pmap = backend == "pmap" and jax.process_count() == 1
+    if steps_per_call > 1 and not single_pmap:
+        raise ConfigError(
+            f"`--steps-per-call {steps_per_call}` is implemented for `--backend pmap` in a single process; "
+            "use `--steps-per-call 1` with `--backend shard_map` or several processes."
+        )
+    if resident and not single_pmap:
+        raise ConfigError("Data resident on the devices needs `--backend pmap` in a single process.")
     steps = len(split.labels) // batch_size
 
     def calls(start: int) -> list[int]:
@@ -114,10 +131,10 @@ def make_epoch_runner(
         return [steps_per_call] * (left // steps_per_call) + [left % steps_per_call] * bool(left % steps_per_call)
 
     if resident is None:
-        resident = fits_on_devices(split, devices)
+        resident = single_pmap and fits_on_devices(split, devices)
     if resident:
         return _resident_runner(step, split, devices, batch_size, calls, traceable)
-    return _host_runner(step, split, devices, batch_size, calls, traceable)
+    return _host_runner(step, split, devices, batch_size, backend, calls, steps_per_call > 1)
 
 
 def _resident_runner(step, split, devices, batch_size, calls, traceable) -> EpochRunner:
@@ -166,9 +183,10 @@ def _resident_runner(step, split, devices, batch_size, calls, traceable) -> Epoc
     return run_epoch
 
 
-def _host_runner(step, split, devices, batch_size, calls, traceable) -> EpochRunner:
+def _host_runner(step, split, devices, batch_size, backend, calls, chunked) -> EpochRunner:
     k = len(devices)
-    stacked = NamedSharding(device_axis_sharding(devices).mesh, P(None, AXIS))  # (S, k, B/k, ...)
+    stacked = NamedSharding(sharded(devices).mesh, P(None, AXIS))  # (S, k, B/k, ...)
+    rows = process_rows(batch_size, devices)  # this process's share of every batch
 
     def chunk(params, opt_state, xs, ys):
         losses = []
@@ -180,11 +198,11 @@ def _host_runner(step, split, devices, batch_size, calls, traceable) -> EpochRun
     p_chunk = jax.jit(chunk, donate_argnums=(0, 1))
 
     def placed(key: jax.Array, start: int) -> Iterator[tuple[int, jax.Array, jax.Array]]:
-        batches = epoch_batches(split, batch_size, key, skip=start)
+        batches = epoch_batches(split, batch_size, key, skip=start, rows=rows)
         for length in calls(start):
             group = [next(batches) for _ in range(length)]
-            if not traceable:
-                yield 1, *split_batch(*group[0], devices)
+            if not chunked:
+                yield 1, *split_batch(*group[0], devices, backend)
                 continue
             xs = np.stack([x for x, _ in group]).reshape(length, k, batch_size // k, *split.images.shape[1:])
             ys = np.stack([y for _, y in group]).reshape(length, k, batch_size // k)
@@ -194,7 +212,7 @@ def _host_runner(step, split, devices, batch_size, calls, traceable) -> EpochRun
                   after_call: AfterCall | None = None) -> tuple[State, list[jax.Array]]:
         def run_call(params, opt_state, call):
             _, xs, ys = call
-            return (p_chunk if traceable else step)(params, opt_state, xs, ys)
+            return (p_chunk if chunked else step)(params, opt_state, xs, ys)
 
         work = progress(_one_ahead(placed(key, start)), len(calls(start)))
         return _run_calls(state, work, run_call, after_call, steps=lambda call: call[0])

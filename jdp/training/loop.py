@@ -14,13 +14,20 @@ from typing import Any
 import jax
 import optax
 
-from jdp import allreduce as allreduce_lib
-from jdp import checkpoint, distributed, guards, models
+from jdp import models
 from jdp.data import Dataset
-from jdp.errors import ConfigError
-from jdp.pipeline import make_epoch_runner
-from jdp.placement import AXIS
-from jdp.step import make_evaluator, make_train_step, sgd
+from jdp.errors import ConfigError, check_positive
+from jdp.models import Model
+from jdp.parallel import allreduce as allreduce_lib
+from jdp.parallel.allreduce import Allreduce
+from jdp.parallel.layout import check_backend, check_divisible, replicate, unreplicate
+from jdp.parallel.step import make_train_step
+from jdp.runtime.devices import AXIS
+from jdp.training import checkpoint, guards
+from jdp.training.evaluate import make_evaluator
+from jdp.training.feeders import make_epoch_runner
+from jdp.training.keeper import Keeper
+from jdp.training.resume import describe_run
 
 PyTree = Any
 
@@ -32,39 +39,53 @@ class TrainConfig:
     batch_size: int = 256
     lr: float = 0.2
     epochs: int = 10
-    allreduce: str = "psum"
+    allreduce: str | Allreduce = "psum"  # a registered name (jdp.allreduce_names()) or your own strategy
     fuse: bool = False  # allreduce the gradients raveled into few buffers instead of one per leaf
     bucket_mb: float | None = None  # with `fuse`: largest bucket in MB; None: one buffer per dtype
     seed: int = 0
     eval_on: str = "all"  # "all": split evaluation over the devices; "device0": the lesson's way
     warmup_steps: int = 0  # ramp the lr linearly from 0 over this many steps (Goyal et al. 2017)
-    model: str = "lenet"  # a name of jdp.models.NAMES
-    model_impl: str = "fast"  # for model "lenet": a key of jdp.lenet_fast.IMPLEMENTATIONS; "reference" is the lesson's
+    model: str | Model = "lenet"  # a registered name (jdp.model_names()) or your own Model
+    model_impl: str = "fast"  # for model "lenet": a key of jdp.models.lenet_fast.IMPLEMENTATIONS; "reference" is the lesson's
     batchnorm: str | None = None  # for models with BatchNorm: "sync" (default) or "per-replica" (jdp.models)
     steps_per_call: int = 1  # train steps per compiled call (unrolled); > 1 needs a collective strategy
-    backend: str = "pmap"  # "pmap" or "shard_map": how the step is mapped over the devices (jdp.step)
+    backend: str = "pmap"  # "pmap" or "shard_map": how the step is mapped over the devices (jdp.parallel.step)
 
     def validate(self) -> None:
         """Raises ConfigError naming the first bad field."""
-        for name in ("batch_size", "epochs"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"`--{name.replace('_', '-')}` must be a positive integer, got {getattr(self, name)}.")
+        for name in ("batch_size", "epochs", "steps_per_call"):
+            check_positive(f"--{name.replace('_', '-')}", getattr(self, name))
         if self.warmup_steps < 0:
             raise ConfigError(f"`--warmup-steps` must be >= 0, got {self.warmup_steps}.")
         if not self.lr > 0:
             raise ConfigError(f"`--lr` must be positive, got {self.lr}.")
         if self.eval_on not in ("all", "device0"):
             raise ConfigError(f"`--eval-on` must be `all` or `device0`, got `{self.eval_on}`.")
-        model = models.get(self.model, impl=self.model_impl, batchnorm=self.batchnorm)
+        model = self.build_model()
         if model.per_replica_state and self.backend != "pmap":
             raise ConfigError(
                 "`--batchnorm per-replica` keeps different statistics on each device, which `--backend shard_map` "
                 "cannot hold in its replicated `P()` layout. Use `--backend pmap` or `--batchnorm sync`."
             )
-        if self.steps_per_call < 1:
-            raise ConfigError(f"`--steps-per-call` must be a positive integer, got {self.steps_per_call}.")
-        allreduce_lib.get(self.allreduce, fuse=self.fuse, bucket_mb=self.bucket_mb)
-        distributed.check_backend(self.backend)
+        self.strategy()
+        check_backend(self.backend)
+
+    def build_model(self) -> Model:
+        """`model` itself, or the registered model of that name built with `model_impl` and `batchnorm`."""
+        if isinstance(self.model, Model):
+            if self.batchnorm is not None:
+                raise ConfigError("`batchnorm` selects a built-in model's BatchNorm; your own `Model` defines its own.")
+            return self.model
+        return models.get(self.model, impl=self.model_impl, batchnorm=self.batchnorm)
+
+    def strategy(self) -> Allreduce:
+        """The allreduce strategy, fused if asked."""
+        return allreduce_lib.get(self.allreduce, fuse=self.fuse, bucket_mb=self.bucket_mb)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as JSON values: a `Model` or `Allreduce` object is recorded by its name."""
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return {**values, "model": _name(self.model), "allreduce": _name(self.allreduce)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,12 +105,7 @@ def learning_rate(config: TrainConfig) -> float | optax.Schedule:
 
 def check_fits(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device]) -> None:
     """Raises ConfigError if the batch cannot be split over `devices` or exceeds the train set."""
-    k = len(devices)
-    if config.batch_size % k:
-        raise ConfigError(
-            f"Batch size must be divisible by the number of devices: `--batch-size {config.batch_size}` "
-            f"over {k} devices. Use a multiple of {k}."
-        )
+    check_divisible(config.batch_size, len(devices))
     if config.batch_size > len(dataset.train.labels):
         raise ConfigError(
             f"`--batch-size {config.batch_size}` exceeds the {len(dataset.train.labels)} training images."
@@ -108,7 +124,7 @@ def train(
     resume: bool = False,
     check_replicas: int | None = None,
 ) -> tuple[PyTree, list[EpochRecord]]:
-    """Trains `config.model` (the lesson's LeNet by default) data-parallel on `devices`.
+    """Trains `config.model` (the lesson's LeNet by default, or your own `Model`) data-parallel on `devices`.
 
     Args:
       config: hyper-parameters and strategy.
@@ -116,7 +132,7 @@ def train(
       devices: where the replicas live.
       on_epoch: called with each epoch's record as soon as it is known.
       progress: wraps each epoch's batch iterator (e.g. a progress bar); gets the step count.
-      checkpoint_dir: save checkpoints here (see `jdp.checkpoint`); None: none.
+      checkpoint_dir: save checkpoints here (see `jdp.training.checkpoint`); None: none.
       checkpoint_every: save every this many steps; None: at the end of every epoch.
       resume: continue from the newest intact checkpoint in `checkpoint_dir`, if any.
       check_replicas: every this many steps, stop unless all replicas are bit-identical.
@@ -127,40 +143,36 @@ def train(
 
     Raises:
       ConfigError: for a bad setting, or a checkpoint this run cannot resume.
-      TrainingError: on a non-finite loss or update, or replicas that diverged (see `jdp.guards`).
+      TrainingError: on a non-finite loss or update, or replicas that diverged (see `jdp.training.guards`).
     """
     config.validate()
     check_fits(config, dataset, devices)
     checkpoint.check_options(checkpoint_dir, checkpoint_every, resume)
-    if check_replicas is not None and check_replicas < 1:
-        raise ConfigError(f"`--check-replicas` must be a positive number of steps, got {check_replicas}.")
+    if check_replicas is not None:
+        check_positive("--check-replicas", check_replicas, "number of steps")
     init_key, data_key = jax.random.split(jax.random.key(config.seed))
-    optimizer = sgd(learning_rate(config))
-    model = models.get(config.model, impl=config.model_impl, batchnorm=config.batchnorm)
+    optimizer = optax.sgd(learning_rate(config))  # the lesson's SGD, on the full batch's mean gradient
+    model = config.build_model()
     params = model.init(init_key)
     steps_per_epoch = len(dataset.train.labels) // config.batch_size
-    keeper = checkpoint.Keeper(
+    keeper = Keeper(
         checkpoint_dir, checkpoint_every,
-        checkpoint.describe_run(config, dataset, len(devices)) if checkpoint_dir is not None else None,
+        describe_run(config.to_dict(), dataset, len(devices)) if checkpoint_dir is not None else None,
         steps_per_epoch, guards.Watch(params, check_replicas, same=_same_on_every_device(model)),
-        lambda tree: distributed.local_copy(tree, config.backend), jax.random.key_data(data_key),
+        lambda tree: unreplicate(tree, config.backend), jax.random.key_data(data_key),
     )
     arrays = {"params": params, "opt_state": optimizer.init(models.trainable(model, params)), "data_key": keeper.data_key}
     if resume:
         arrays = keeper.resume(arrays, config.epochs)
     data_key = jax.random.wrap_key_data(arrays["data_key"])
-    state = tuple(distributed.put_replicated(arrays[t], devices, config.backend) for t in ("params", "opt_state"))
-    strategy = allreduce_lib.get(config.allreduce, fuse=config.fuse, bucket_mb=config.bucket_mb)
+    state = tuple(replicate(arrays[t], devices, config.backend) for t in ("params", "opt_state"))
+    strategy = config.strategy()
     step = make_train_step(model.loss, optimizer, strategy, devices, backend=config.backend, stateful=model.stateful)
     evaluate = make_evaluator(model.apply, devices, on_all_devices=config.eval_on == "all", backend=config.backend)
     if model.per_replica_state:  # one set of statistics before evaluating and saving (see jdp.models)
         average = jax.pmap(models.average_state, axis_name=AXIS, devices=devices, donate_argnums=0)
-    if config.backend == "pmap" and jax.process_count() == 1:
-        run_epoch = make_epoch_runner(step, dataset.train, devices, config.batch_size,
-                                      steps_per_call=config.steps_per_call, traceable=strategy.where == "inside")
-    else:  # each process feeds its rows of every batch from the host
-        run_epoch = distributed.make_epoch_runner(step, dataset.train, devices, config.batch_size, config.backend,
-                                                  steps_per_call=config.steps_per_call)
+    run_epoch = make_epoch_runner(step, dataset.train, devices, config.batch_size, config.backend,
+                                  steps_per_call=config.steps_per_call, traceable=strategy.where == "inside")
     for epoch in range(keeper.epoch, config.epochs + 1):
         start = time.perf_counter()
         state, _ = run_epoch(state, jax.random.fold_in(data_key, epoch), progress,
@@ -176,15 +188,19 @@ def train(
         )
         keeper.end_epoch(state, dataclasses.asdict(record), last=epoch == config.epochs)
         on_epoch(record)
-    return distributed.local_copy(state[0], config.backend), [EpochRecord(**r) for r in keeper.history]
+    return unreplicate(state[0], config.backend), [EpochRecord(**r) for r in keeper.history]
 
 
 def checkpoint_target(config: TrainConfig) -> PyTree:
-    """The structure, shapes and dtypes of the arrays `train` checkpoints, e.g. for `jdp.checkpoint.load`."""
-    model = models.get(config.model, impl=config.model_impl, batchnorm=config.batchnorm)
+    """The structure, shapes and dtypes of the arrays `train` checkpoints, e.g. for `jdp.training.checkpoint.load`."""
+    model = config.build_model()
     params = model.init(jax.random.key(0))
-    return {"params": params, "opt_state": sgd(learning_rate(config)).init(models.trainable(model, params)),
+    return {"params": params, "opt_state": optax.sgd(learning_rate(config)).init(models.trainable(model, params)),
             "data_key": jax.random.key_data(jax.random.key(0))}
+
+
+def _name(choice: str | Model | Allreduce) -> str:
+    return choice if isinstance(choice, str) else choice.name
 
 
 def _same_on_every_device(model: models.Model) -> Callable[[PyTree], PyTree]:

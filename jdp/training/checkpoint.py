@@ -11,7 +11,6 @@ other files is refused (so nothing of the user's is overwritten or pruned), and 
 already holds checkpoints is continued only with `--resume`.
 """
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -25,8 +24,7 @@ import jax
 import numpy as np
 from flax import serialization
 
-from jdp import distributed
-from jdp.errors import ConfigError, DataError
+from jdp.errors import ConfigError, DataError, check_positive
 
 PyTree = Any
 
@@ -94,8 +92,8 @@ def check_options(directory: str | os.PathLike | None, every: int | None, resume
     Raises:
       ConfigError: naming the flag that is wrong.
     """
-    if every is not None and every < 1:
-        raise ConfigError(f"`--checkpoint-every` must be a positive number of steps, got {every}.")
+    if every is not None:
+        check_positive("--checkpoint-every", every, "number of steps")
     if directory is None:
         if resume or every is not None:
             flag = "--resume" if resume else "--checkpoint-every"
@@ -217,81 +215,6 @@ def _check_fits(path: Path, saved: PyTree, target: PyTree) -> None:
             )
 
 
-# What a resumed run must share with the checkpoint: the data order is a permutation per epoch drawn
-# from the seed, walked in batches of batch_size, so `position` means nothing under other values.
-MUST_MATCH = ("batch_size", "seed")
-# What may change without a note: how many epochs to run, and how the test set is evaluated.
-FREE = ("epochs", "eval_on")
-
-
-def dataset_fingerprint(dataset: Any) -> dict[str, Any]:
-    """Sizes and a sha256 of the training and test arrays: the same data gives the same fingerprint."""
-    digest = hashlib.sha256()
-    for array in (*dataset.train, *dataset.test):
-        digest.update(np.ascontiguousarray(array).data)
-    return {"train": len(dataset.train.labels), "test": len(dataset.test.labels), "sha256": digest.hexdigest()}
-
-
-def describe_run(config: Any, dataset: Any, device_count: int) -> dict[str, Any]:
-    """What `check_resumable` compares: the run's settings (a dataclass), its data and device count."""
-    return {
-        "config": dataclasses.asdict(config),
-        "devices": device_count,
-        "dataset": dataset_fingerprint(dataset),
-        "jax_version": jax.__version__,
-    }
-
-
-def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Refuses to resume a checkpoint under a run that would make it mean something else.
-
-    A different model is caught by `load` (shapes); a different dataset, batch size or seed here. Any
-    other setting may change (e.g. a lower `--lr` after a NaN): the run continues from the same
-    state, but is then not bit-identical to an uninterrupted one. So may the device count: every
-    device sums its shard's gradients, the allreduce sums those, and the update divides by the full
-    batch, so the update is the same for any count dividing the batch; only the order of float
-    additions changes (a count that does not divide the batch is refused as for a fresh run).
-
-    Args:
-      saved: the `run` description stored with the checkpoint.
-      current: the same description of the run that wants to resume.
-
-    Returns:
-      Notes, one per setting that changed, to tell the user.
-
-    Raises:
-      ConfigError: naming the setting that may not change.
-    """
-    if saved["dataset"] != current["dataset"]:
-        have, want = saved["dataset"], current["dataset"]
-        raise ConfigError(
-            f"The checkpoint was written for another dataset ({have['train']} training images, sha256 "
-            f"{have['sha256'][:12]}…) than this run's ({want['train']}, {want['sha256'][:12]}…). Resume with the "
-            "same `--dataset`, `--data-dir` and `--seed`, or pass a new `--checkpoint-dir`."
-        )
-    old, new = saved["config"], current["config"]
-    for name in MUST_MATCH:
-        if old.get(name) != new.get(name):
-            raise ConfigError(
-                f"`--{name.replace('_', '-')} {new.get(name)}` differs from the checkpoint's {old.get(name)}: the "
-                "data order to resume is defined by the batch size and seed. Resume with the checkpoint's value, "
-                "or pass a new `--checkpoint-dir`."
-            )
-    notes = [
-        f"resuming with `--{name.replace('_', '-')} {new.get(name)}` instead of the checkpoint's {old.get(name)}: "
-        "the run goes on from the saved state under the new setting (not bit-identical to an uninterrupted run)"
-        for name in sorted(old.keys() | new.keys())
-        if name not in FREE and old.get(name) != new.get(name)
-    ]
-    if saved["devices"] != current["devices"]:
-        notes.append(
-            f"resuming on {current['devices']} devices instead of the checkpoint's {saved['devices']}: each update is "
-            "the same sum over the full batch, only the order of float additions differs (close to, not bit-identical "
-            "with, an uninterrupted run)"
-        )
-    return notes
-
-
 def restore_latest(directory: str | os.PathLike, target: PyTree) -> Checkpoint | None:
     """The newest checkpoint in `directory` that loads intact, or None if there is none.
 
@@ -317,104 +240,3 @@ def restore_latest(directory: str | os.PathLike, target: PyTree) -> Checkpoint |
             "Remove the damaged files or pass a new directory."
         )
     return None
-
-
-class Keeper:
-    """Where a training run is, its guards after every call, and the checkpoints saved of it.
-
-    `train` reports each compiled call (`after_call`) and each finished epoch (`end_epoch`). The
-    position (step, epoch, batches of it done) and the epoch's running loss are what a resumed run
-    needs to continue exactly: the loss is summed in float32 in the same order as uninterrupted.
-
-    Checkpoints are saved every `every` steps (at the first call boundary at or after each multiple)
-    and after the last epoch; without `every`, after every epoch. Only process 0 writes.
-
-    Args:
-      directory: `--checkpoint-dir`, or None to save nothing.
-      every: `--checkpoint-every`, or None.
-      run: `describe_run` of this run (stored with each checkpoint), or None without a directory.
-      steps_per_epoch: batches per epoch.
-      watch: the guards to run after every call (see `jdp.guards.Watch`).
-      host_copy: replicated device arrays -> this process's host copy (e.g. `jdp.distributed.local_copy`).
-      data_key: the key data of the run's data-order PRNG key (saved with every checkpoint).
-    """
-
-    def __init__(self, directory: str | os.PathLike | None, every: int | None, run: dict[str, Any] | None,
-                 steps_per_epoch: int, watch: Any, host_copy: Any, data_key: np.ndarray) -> None:
-        self.directory, self.every, self.run, self.data_key = directory, every, run, data_key
-        self.steps_per_epoch, self.watch, self._host_copy = steps_per_epoch, watch, host_copy
-        self.step, self.epoch, self.batches_done = 0, 1, 0
-        self.history: list[dict[str, Any]] = []
-        self._loss_sum, self._losses = np.float32(0.0), []
-        self._saved_at = 0
-
-    def resume(self, target: PyTree, epochs: int) -> PyTree:
-        """Restores the newest intact checkpoint into `target`'s structure, or returns `target` if none.
-
-        Raises:
-          ConfigError: if the checkpoint belongs to another run (see `check_resumable`) or ends
-            after `epochs`.
-          DataError: if no checkpoint is intact.
-        """
-        found = restore_latest(self.directory, target)
-        if found is None:
-            log.info("no checkpoint in %s yet: starting at step 0", self.directory)
-            return target
-        notes = check_resumable(found.info["run"], self.run)
-        position = found.info["position"]
-        self.step, self.epoch, self.batches_done = position["step"], position["epoch"], position["batches_done"]
-        self._loss_sum, self.history = np.float32(position["loss_sum"]), found.info["history"]
-        self._saved_at, self.watch.last_good, self.data_key = self.step, found.path, found.arrays["data_key"]
-        if epochs < self.epoch - (self.batches_done == 0):
-            raise ConfigError(
-                f"`--epochs {epochs}` ends before {found.path} (step {self.step}, epoch {self.epoch}): "
-                f"pass `--epochs {self.epoch - (self.batches_done == 0)}` or more."
-            )
-        for note in notes:
-            log.info(note)
-        log.info("resuming from %s (step %d, epoch %d, %d of %d batches done)",
-                 found.path, self.step, self.epoch, self.batches_done, self.steps_per_epoch)
-        return found.arrays
-
-    def after_call(self, steps: int, state: tuple[PyTree, PyTree], losses: Any) -> None:
-        """Counts a call of `steps` steps, runs the guards, and saves if a checkpoint is due mid-epoch."""
-        self.step, self.batches_done = self.step + steps, self.batches_done + steps
-        self._losses.append(losses)
-        self.watch.after_call(self.step - steps + 1, self.step, *state, losses)
-        if self.every is not None and self.batches_done < self.steps_per_epoch and self._due():
-            self._save(state)
-
-    def epoch_loss(self) -> np.float32:
-        """The summed loss of the current epoch's steps so far (waits for them)."""
-        for losses in self._losses:
-            self._loss_sum = self._loss_sum + distributed.to_host(losses).sum()
-        self._losses = []
-        return self._loss_sum
-
-    def end_epoch(self, state: tuple[PyTree, PyTree], record: dict[str, Any], last: bool) -> None:
-        """Records a finished epoch; saves if a checkpoint is due or it was the `last`."""
-        self.watch.flush()
-        self.history.append(record)
-        self.epoch, self.batches_done, self._loss_sum, self._losses = self.epoch + 1, 0, np.float32(0.0), []
-        if self.every is None or last or self._due():
-            self._save(state)
-
-    def _due(self) -> bool:
-        return self.step // self.every > self._saved_at // self.every
-
-    def _save(self, state: tuple[PyTree, PyTree]) -> None:
-        if self.directory is None:
-            return
-        self.watch.flush()  # never save a non-finite value
-        params, opt_state = state
-        arrays = {"params": self._host_copy(params), "opt_state": self._host_copy(opt_state),
-                  "data_key": self.data_key}
-        info = {
-            "position": {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,
-                         "loss_sum": float(self.epoch_loss())},
-            "history": self.history,
-            "run": self.run,
-        }
-        if jax.process_index() == 0:
-            save(self.directory, self.step, arrays, info)
-        self.watch.last_good, self._saved_at = path_for(self.directory, self.step), self.step

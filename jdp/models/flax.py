@@ -1,7 +1,7 @@
 """Flax Linen versions of the lesson's networks: the LeNet and its concise section's ResNet-18.
 
 Linen keeps parameters outside the module: `init` returns a variables dict and `apply` is a pure
-function of it, so params and BatchNorm statistics are plain pytrees that `jdp.placement.replicate`
+function of it, so params and BatchNorm statistics are plain pytrees that `jdp.replicate`
 and every allreduce strategy handle unchanged (see `jdp.models` for how the step uses them).
 
 Images arrive as the lesson's NCHW (N, 1, 28, 28); with one channel NCHW → NHWC is a reshape.
@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jdp import lenet
+from jdp.models import lenet
 
 # The lesson initialises every conv and dense weight from N(0, 0.01²), biases at 0.
 _WEIGHTS = nn.initializers.normal(stddev=0.01)

@@ -2,7 +2,7 @@
 
 For each device count k (1, 2 and all of them) at the same global batch:
 
-(a) epoch: jdp's training loop (`jdp.pipeline.make_epoch_runner` driving `jdp.step.make_train_step`,
+(a) epoch: jdp's training loop (`jdp.training.feeders.make_epoch_runner` driving `jdp.make_train_step`,
     exactly what `jdp train` times) over `--steps` batches of the training set;
 (b) floor: the same compiled step called `--steps` times on one batch already on the devices, with the
     same bounded in-flight window: all the loop could hope for;
@@ -17,30 +17,30 @@ on a shared machine biases both alike; compare ratios from one run, not absolute
 
 import argparse
 import json
-import os
-import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from jdp import allreduce, data, lenet
-from jdp.errors import ConfigError
-from jdp.inflight import InFlight
-from jdp.lenet_fast import IMPLEMENTATIONS
-from jdp.pipeline import make_epoch_runner
-from jdp.placement import replicate, split_batch
-from jdp.step import make_train_step, sgd, summed_cross_entropy
+from jdp import data
+from jdp.bench.machine import machine
+from jdp.cli.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
+from jdp.errors import ConfigError, check_positive
+from jdp.models import lenet, summed_cross_entropy
+from jdp.models.lenet_fast import IMPLEMENTATIONS
+from jdp.parallel.inflight import repeat_step
+from jdp.parallel.layout import replicate, split_batch
+from jdp.parallel.step import make_train_step
+from jdp.training.feeders import make_epoch_runner
 
 FULL_EPOCH_IMAGES = 60_000  # Fashion-MNIST's training set: sec/epoch is extrapolated to it
 TARGETS = {"max_overhead_1_2_devices": 1.10, "min_images_per_s_1_device": 3300.0, "max_k_vs_1_device": 1.3}
 
 
-def add_parser(
-    benchmarks: argparse._SubParsersAction, add_device_flags: Callable[[argparse.ArgumentParser], None]
-) -> None:
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     """Adds `train` to the `jdp bench` subcommands."""
     p = benchmarks.add_parser(
         "train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -104,9 +104,8 @@ def measure(
       {"epoch_s", "floor_s", "epoch_cpu_s", "floor_cpu_s"}: one wall-clock and one CPU time (this
       process, all threads) per round each, after a warm-up of both.
     """
-    optimizer = sgd(0.2)
-    step = make_train_step(summed_cross_entropy(IMPLEMENTATIONS[model_impl]), optimizer,
-                           allreduce.get("psum"), devices)
+    optimizer = optax.sgd(0.2)
+    step = make_train_step(summed_cross_entropy(IMPLEMENTATIONS[model_impl]), optimizer, "psum", devices)
     part = data.Split(split.images[:steps * batch_size], split.labels[:steps * batch_size])
     run_epoch = make_epoch_runner(step, part, devices, batch_size, steps_per_call=steps_per_call)
     x, y = split_batch(part.images[:batch_size], part.labels[:batch_size], devices)
@@ -114,12 +113,7 @@ def measure(
     state = replicate(params, devices), replicate(optimizer.init(params), devices)
 
     def floor(state, count):
-        (params, opt_state), window = state, InFlight(limit=2)
-        for _ in range(count):
-            params, opt_state, loss = step(params, opt_state, x, y)
-            window.push(loss)
-        window.drain()
-        return params, opt_state
+        return repeat_step(step, state, x, y, count)
 
     def epoch(state, seed):
         state, _ = run_epoch(state, jax.random.key(seed), lambda calls, total: calls)
@@ -210,33 +204,12 @@ def format_table(record: dict[str, Any], header: str) -> str:
     return "\n".join(lines)
 
 
-def machine() -> dict[str, Any]:
-    """What the numbers were measured on, including how busy the machine was."""
-    model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                  if line.startswith("model name")), platform.processor())
-    return {
-        "cpu": model, "host_cpus": os.cpu_count(), "machine": platform.machine(),
-        "python": platform.python_version(), "jax_version": jax.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_average": _read("/proc/loadavg").split()[:3],
-    }
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
 def run_train_bench(args: argparse.Namespace) -> int:
-    from jdp import cli
-
     for name in ("batch_size", "steps", "rounds", "steps_per_call"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"`--{name.replace('_', '-')}` must be a positive integer, got {getattr(args, name)}.")
-    out = cli._check_out_dir(args.out)
-    devices = cli.setup_devices(args)
+        check_positive(f"--{name.replace('_', '-')}", getattr(args, name))
+    load_plugins(args.plugin)
+    out = check_out_dir(args.out)
+    devices = setup_devices(args)
     if args.dataset == "synthetic":
         split = data.synthetic(jax.random.key(0), n_train=args.steps * args.batch_size, n_test=len(devices)).train
     else:

@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jdp.errors import ConfigError
 
@@ -48,18 +49,20 @@ PyTree = Any
 
 
 class Allreduce(NamedTuple):
-    """A named allreduce algorithm.
+    """A named allreduce algorithm: what `jdp.make_train_step` calls to sum the gradients.
 
     Attributes:
       name: what the CLI calls it (with `+fused` / `+bucketsM` when wrapped by `fused`).
-      where: "inside" (fn(tree, axis_name), a collective in the mapped step) or "outside"
-        (fn(tree) on global arrays with a leading device axis, between mapped functions).
-      fn: the algorithm.
+      fn: the algorithm. "inside": `fn(tree, axis_name) -> tree`, traced in the mapped step on each
+        device's local tree, built from collectives over `axis_name`. "outside": `fn(tree) -> tree`,
+        called between mapped functions on global arrays of shape (k, ...) with slice i on device i,
+        moving buffers with `jax.device_put`.
+      where: "inside" or "outside".
     """
 
     name: str
-    where: Literal["inside", "outside"]
     fn: Callable[..., PyTree]
+    where: Literal["inside", "outside"] = "inside"
 
 
 # --- inside the mapped step: collectives over the device axis -------------------------------
@@ -297,7 +300,7 @@ def fused(strategy: Allreduce, bucket_mb: float | None = None) -> Allreduce:
             reduced = strategy.fn(buckets, axis_name)
             return jax.tree.unflatten(treedef, _from_buckets(reduced, layout, cap_bytes, lead=0))
 
-        return Allreduce(name, "inside", fn_inside)
+        return Allreduce(name, fn_inside, "inside")
 
     def fn_outside(tree: PyTree) -> PyTree:
         leaves, treedef = jax.tree.flatten(tree)
@@ -306,7 +309,7 @@ def fused(strategy: Allreduce, bucket_mb: float | None = None) -> Allreduce:
         reduced = strategy.fn(buckets)
         return jax.tree.unflatten(treedef, _from_buckets_jit(reduced, layout, cap_bytes, 1))
 
-    return Allreduce(name, "outside", fn_outside)
+    return Allreduce(name, fn_outside, "outside")
 
 
 # For each dtype in order of first appearance: (dtype, ((leaf index, shape after the lead axes), ...)).
@@ -360,32 +363,58 @@ _to_buckets_jit = jax.jit(_to_buckets, static_argnums=(1, 2, 3))
 _from_buckets_jit = jax.jit(_from_buckets, static_argnums=(1, 2, 3))
 
 
-STRATEGIES: dict[str, Allreduce] = {
-    "psum": Allreduce("psum", "inside", psum),
-    "manual": Allreduce("manual", "outside", manual),
-    "manual_ring": Allreduce("manual_ring", "outside", manual_ring),
-    "ring": Allreduce("ring", "inside", ring),
-    "tree": Allreduce("tree", "inside", tree),
+_STRATEGIES: dict[str, Allreduce] = {  # the registry: built-ins first, then what users register
+    "psum": Allreduce("psum", psum),
+    "manual": Allreduce("manual", manual, "outside"),
+    "manual_ring": Allreduce("manual_ring", manual_ring, "outside"),
+    "ring": Allreduce("ring", ring),
+    "tree": Allreduce("tree", tree),
 }
 
 
-def get(name: str, *, fuse: bool = False, bucket_mb: float | None = None) -> Allreduce:
-    """The strategy called `name`, per leaf or fused.
+def register(strategy: Allreduce, *, replace: bool = False) -> Allreduce:
+    """Makes `strategy` available by name to `get`, `jdp train --allreduce` and the benches.
+
+    Check it first with `jdp.testing.check_allreduce(strategy)`.
+
+    Raises:
+      ConfigError: if it is not an `Allreduce`, its `where` is unknown, or its name is taken (unless `replace`).
+    """
+    if not isinstance(strategy, Allreduce):
+        raise ConfigError(f"`register_allreduce` takes a `jdp.Allreduce`, got {type(strategy).__name__}.")
+    if strategy.where not in ("inside", "outside"):
+        raise ConfigError(f"Allreduce `{strategy.name}` has `where={strategy.where!r}`; use \"inside\" or \"outside\".")
+    if strategy.name in _STRATEGIES and not replace:
+        raise ConfigError(f"An allreduce strategy named `{strategy.name}` is registered already; pass `replace=True`.")
+    _STRATEGIES[strategy.name] = strategy
+    return strategy
+
+
+def names(where: str | None = None) -> tuple[str, ...]:
+    """The registered strategies' names (those of one `where` if given), built-ins first."""
+    return tuple(name for name, s in _STRATEGIES.items() if where in (None, s.where))
+
+
+def get(name: str | Allreduce, *, fuse: bool = False, bucket_mb: float | None = None) -> Allreduce:
+    """The strategy called `name` (or `name` itself if it is an `Allreduce`), per leaf or fused.
 
     Args:
-      name: a key of `STRATEGIES`.
+      name: a registered name (see `names`), or a strategy object.
       fuse: allreduce few large buffers instead of one per leaf (see `fused`).
       bucket_mb: with `fuse`, the largest bucket in MB; None means one buffer per dtype.
 
     Raises:
       ConfigError: for an unknown name (listing the known ones), or `bucket_mb` without `fuse`.
     """
-    try:
-        strategy = STRATEGIES[name]
-    except KeyError:
+    if isinstance(name, Allreduce):
+        strategy = name
+    elif name in _STRATEGIES:
+        strategy = _STRATEGIES[name]
+    else:
         raise ConfigError(
-            f"Unknown allreduce strategy `{name}`; choose one of: {', '.join(STRATEGIES)}."
-        ) from None
+            f"Unknown allreduce strategy `{name}`; choose one of: {', '.join(_STRATEGIES)} "
+            "(or register your own with `jdp.register_allreduce`, loaded with `--plugin MODULE`)."
+        )
     if not fuse:
         if bucket_mb is not None:
             raise ConfigError(f"`--bucket-mb {bucket_mb:g}` only applies to fused buffers; add `--fuse`.")

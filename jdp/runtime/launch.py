@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from jdp.errors import ConfigError
+from jdp.errors import ConfigError, check_positive
 
 HOST = "127.0.0.1"
 JOB_FLAGS = ("--coordinator", "--num-processes", "--process-id", "--cpu-devices")
@@ -68,10 +68,8 @@ def launch(
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     if not command:
         raise ConfigError("`jdp launch` needs a command after `--`, e.g. `jdp launch --num-processes 2 -- jdp train`.")
-    if num_processes < 1:
-        raise ConfigError(f"`--num-processes` must be at least 1, got {num_processes}.")
-    if cpu_devices_per_process < 1:
-        raise ConfigError(f"`--cpu-devices-per-process` must be at least 1, got {cpu_devices_per_process}.")
+    check_positive("--num-processes", num_processes)
+    check_positive("--cpu-devices-per-process", cpu_devices_per_process)
     clash = [flag for flag in JOB_FLAGS if any(arg == flag or arg.startswith(flag + "=") for arg in command)]
     if clash:
         raise ConfigError(f"The launched command must not set {', '.join(f'`{f}`' for f in clash)}: "

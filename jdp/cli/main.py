@@ -4,19 +4,18 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from jdp.errors import ConfigError, JdpError
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (exit status 2), like every other jdp error."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`.\n")
+from jdp.cli.flags import (
+    OneLineErrorParser,
+    add_backend_flag,
+    add_device_flags,
+    check_out_dir,
+    load_plugins,
+    setup_devices,
+)
+from jdp.errors import JdpError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--epochs", type=int, default=10)
     train.add_argument("--warmup-steps", type=int, default=0, help="linear lr warmup from 0 over this many steps")
     train.add_argument("--allreduce", default="psum",
-                       help="gradient allreduce strategy: psum, manual (star), manual_ring, ring or tree")
+                       help="gradient allreduce strategy: psum, manual (star), manual_ring, ring, tree, or one a "
+                       "--plugin registered")
     train.add_argument("--fuse", action="store_true",
                        help="allreduce the gradients raveled into one buffer per dtype instead of one per leaf")
     train.add_argument("--bucket-mb", type=float, default=None, metavar="M",
@@ -50,13 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="evaluate split over all devices (psum of counts) or on the first device only")
     train.add_argument("--out", default=None, help="write history.json and accuracy.png here")
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
-    train.add_argument("--model", default="lenet", choices=["lenet", "lenet_flax", "resnet18"],
-                       help="the from-scratch LeNet, its Flax version, or the lesson's ResNet-18 for 28x28 (Flax)")
+    train.add_argument("--model", default="lenet",
+                       help="lenet (the from-scratch LeNet), lenet_flax (its Flax version), resnet18 (the lesson's "
+                       "ResNet-18 for 28x28, Flax), or a model a --plugin registered")
     train.add_argument("--batchnorm", default=None, choices=["per-replica", "sync"],
                        help="resnet18: BatchNorm statistics over each device's shard, or synchronised over all "
                        "devices (the global batch's); resnet18 uses sync when it is not given")
     train.add_argument("--model-impl", default="fast", choices=["fast", "reference"],
-                       help="--model lenet's formulation: fast (jdp.lenet_fast) or the lesson's reference; same math")
+                       help="--model lenet's formulation: fast (jdp.models.lenet_fast) or the lesson's reference; same math")
     train.add_argument("--steps-per-call", type=int, default=1, metavar="S",
                        help="train steps per compiled call (unrolled); needs a collective allreduce strategy")
     train.add_argument("--checkpoint-dir", default=None, metavar="DIR",
@@ -77,13 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side in one run")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    # each benchmark module adds its own subcommand here: add_parser(benchmarks, add_device_flags)
-    from jdp import bench_allreduce
+    from jdp.bench import allreduce, step
+    from jdp.bench import train as train_bench
 
-    bench_allreduce.add_parser(benchmarks, add_device_flags)  # `bench allreduce`, `bench step`
-    from jdp import bench_train
-
-    bench_train.add_parser(benchmarks, add_device_flags)  # `bench train`
+    for module in (allreduce, step, train_bench):  # each benchmark adds its own subcommand
+        module.add_parser(benchmarks)
 
     launch = commands.add_parser(
         "launch", help="run a multi-process job on this machine over loopback (simulated CPU devices)",
@@ -99,52 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_backend_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="pmap", choices=["pmap", "shard_map"],
-                        help="map the step with jax.pmap, or jax.jit(jax.shard_map) over a 1-D mesh")
-
-
-def add_device_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--devices", type=int, default=None, help="number of devices to use (default: all)")
-    parser.add_argument("--cpu-devices", type=int, default=None,
-                        help="simulate N CPU devices (set before JAX starts); for machines without accelerators")
-    parser.add_argument("--no-xla-flags", action="store_true",
-                        help="do not set jdp's XLA performance flags (see jdp/xla_flags.py; also JDP_NO_XLA_FLAGS=1)")
-
-
-def setup_devices(args: argparse.Namespace):
-    """Simulates CPU devices if asked, joins a multi-process job if there is one, then selects the
-    devices (this is where JAX starts): with several processes, `--devices` of each, in process order."""
-    from jdp import devices, distributed, xla_flags
-
-    xla_flags.enable(disabled=args.no_xla_flags)  # XLA reads its flags once, when the backend starts
-    if args.cpu_devices is not None:
-        devices.simulate_cpu_devices(args.cpu_devices)
-    job = [getattr(args, name, None) for name in ("coordinator", "num_processes", "process_id")]
-    if distributed.initialize(*job):
-        return distributed.global_devices(args.devices)
-    return devices.select_devices(args.devices)
-
-
-def _check_out_dir(out: str | None) -> Path | None:
-    if out is None:
-        return None
-    path = Path(out)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"`--out {out}` cannot be created: {e.strerror}.") from None
-    if not os.access(path, os.W_OK):
-        raise ConfigError(f"`--out {out}` is not writable.")
-    return path
-
-
 def run_train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from jdp import checkpoint, data, plot
-    from jdp.devices import describe
-    from jdp.train import TrainConfig, train
+    from jdp import data, plot
+    from jdp.runtime.devices import describe
+    from jdp.training import checkpoint
+    from jdp.training.loop import TrainConfig, train
+
+    load_plugins(args.plugin)
 
     config = TrainConfig(batch_size=args.batch_size, lr=args.lr, epochs=args.epochs,
                          allreduce=args.allreduce, fuse=args.fuse, bucket_mb=args.bucket_mb,
@@ -152,13 +114,14 @@ def run_train(args: argparse.Namespace) -> int:
                          warmup_steps=args.warmup_steps, model=args.model, model_impl=args.model_impl, batchnorm=args.batchnorm,
                          steps_per_call=args.steps_per_call, backend=args.backend)
     config.validate()
-    out = _check_out_dir(args.out)
+    out = check_out_dir(args.out)
     checkpoint.check_options(args.checkpoint_dir, args.checkpoint_every, args.resume)
     devices = setup_devices(args)
     dataset = data.load(args.dataset, args.data_dir, seed=args.seed)
 
     def progress(batches, total):
-        return tqdm(batches, total=total, unit="step", leave=False, disable=args.no_progress, file=sys.stderr)
+        quiet = args.no_progress or not sys.stderr.isatty()  # in a log: only the epoch lines below
+        return tqdm(batches, total=total, unit="step", leave=False, disable=quiet, file=sys.stderr)
 
     def on_epoch(record):
         print(f"epoch {record.epoch:3d}  train loss {record.train_loss:.4f}  "
@@ -180,14 +143,14 @@ def run_train(args: argparse.Namespace) -> int:
             "epochs": [dataclasses.asdict(r) for r in history],
         }
         (out / "history.json").write_text(json.dumps(record, indent=2) + "\n")
-        plot.accuracy_per_epoch(test_acc, out / "accuracy.png",
-                                title=f"{args.model}, {args.allreduce}, {len(devices)} device(s), batch {args.batch_size}, lr {args.lr}")
+        title = f"{args.model}, {args.allreduce}, {len(devices)} device(s), batch {args.batch_size}, lr {args.lr}"
+        plot.save(plot.accuracy_per_epoch(test_acc, title=title), out / "accuracy.png")
         print(f"wrote {out / 'history.json'} and {out / 'accuracy.png'}")
     return 0
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    from jdp.launch import launch
+    from jdp.runtime.launch import launch
 
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
     return launch(job, args.num_processes, args.cpu_devices_per_process, timeout=args.timeout)

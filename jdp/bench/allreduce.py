@@ -1,0 +1,240 @@
+"""`jdp bench allreduce`: every allreduce strategy on one buffer per device, side by side in one run.
+
+`bench allreduce` follows nccl-tests (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md): a buffer of
+S bytes on each of k devices summed in t seconds (median over repeats, after a warm-up) has
+algbw = S / t and busbw = algbw · 2(k−1)/k. busbw is what each link of a bandwidth-optimal ring
+carries, so it can be compared across device counts and with the hardware's link bandwidth.
+Each buffer holds small integers, so every order of summation gives the exact sum: `#wrong`
+counts the elements, on every device, that differ from it (it must be 0).
+"""
+
+import argparse
+import json
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jdp.bench.machine import machine, where
+from jdp.cli.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
+from jdp.errors import ConfigError, check_positive
+from jdp.parallel import allreduce
+from jdp.parallel.inflight import InFlight
+from jdp.parallel.layout import BACKENDS, sharded
+from jdp.runtime.devices import AXIS, mesh
+
+DEFAULT_SIZES = "4KiB..64MiB"
+_UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+_ITEMSIZE = 4  # the buffers are float32, as the gradients
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    """Adds `allreduce` to the `jdp bench` subcommands."""
+    p = benchmarks.add_parser(
+        "allreduce", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="time each allreduce algorithm over buffer sizes (nccl-tests' algbw and busbw)",
+        description="Time each allreduce algorithm on one float32 buffer per device, for each size: median "
+        "over repeats after a warm-up, algbw = S/t, busbw = algbw·2(k−1)/k, #wrong = elements not equal "
+        "to the exact sum on some device.",
+    )
+    add_device_flags(p)
+    add_algorithms_flag(p)
+    p.add_argument("--backend", default="pmap", choices=list(BACKENDS),
+                   help="map the inside algorithms with jax.pmap or jax.jit(jax.shard_map)")
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help="bytes per device: LO..HI (each ×4 the last) or a comma list; units B, KiB, MiB, GiB")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per algorithm and size (median reported)")
+    p.add_argument("--out", default=None, metavar="DIR", help="write allreduce.json and allreduce.png here")
+    p.set_defaults(run=run_allreduce_bench)
+
+
+def add_algorithms_flag(parser: argparse.ArgumentParser) -> None:
+    """`--algorithms NAME...`: registered strategies (checked once `--plugin`s are loaded)."""
+    names = list(allreduce.names())
+    parser.add_argument("--algorithms", nargs="+", default=names, metavar="NAME",
+                        help=f"any of: {' '.join(names)}, or strategies a --plugin registered")
+
+
+def check_algorithms(names: Sequence[str]) -> None:
+    """Raises ConfigError naming the first unknown strategy."""
+    for name in names:
+        allreduce.get(name)
+
+
+# --- parsing -----------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """`4KiB` → 4096 bytes; a whole number of float32 elements.
+
+    Raises:
+      ConfigError: for an unknown unit, or a size that is not a positive multiple of 4 bytes.
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]iB|B)?\s*", text)
+    if not match:
+        raise ConfigError(
+            f"`--sizes` has `{text}`, not a size: write a number with a unit B, KiB, MiB or GiB, e.g. 4KiB."
+        )
+    size = int(match.group(1)) * _UNITS[match.group(2) or ""]
+    if size < _ITEMSIZE or size % _ITEMSIZE:
+        raise ConfigError(f"`--sizes` has `{text}`: a buffer must be a positive multiple of 4 bytes (float32).")
+    return size
+
+
+def parse_sizes(text: str) -> list[int]:
+    """`LO..HI` → LO, 4·LO, 16·LO, … up to HI (nccl-tests' -b/-e/-f with f = 4); or `A,B,C`.
+
+    Raises:
+      ConfigError: for a malformed size or a range whose end is below its start.
+    """
+    if ".." in text:
+        low, high = (parse_size(part) for part in text.split("..", 1))
+        if high < low:
+            raise ConfigError(f"`--sizes {text}`: the range ends below where it starts; write LO..HI.")
+        sizes = [low]
+        while sizes[-1] * 4 <= high:
+            sizes.append(sizes[-1] * 4)
+        return sizes
+    return [parse_size(part) for part in text.split(",")]
+
+
+# --- bench allreduce ---------------------------------------------------------------------------
+
+
+def bench_allreduce(
+    devices: Sequence[jax.Device],
+    sizes: Sequence[int],
+    algorithms: Sequence[str],
+    *,
+    repeats: int = 5,
+    min_seconds: float = 0.02,
+    backend: str = "pmap",
+) -> list[dict]:
+    """Times each algorithm on one float32 buffer per device, for each size.
+
+    For every size, each algorithm is first run once to compile and check (#wrong), then timed
+    once to choose how many back-to-back calls make a sample of at least `min_seconds`; the timed
+    samples then alternate between algorithms, so a slow phase of a shared machine hits them all.
+
+    Args:
+      devices: the k devices the buffers live on.
+      sizes: bytes per device.
+      algorithms: registered strategy names (`jdp.allreduce_names()`), per leaf (one buffer: fusing changes nothing).
+      repeats: timed samples per algorithm and size; the median is reported.
+      min_seconds: the least duration of one sample.
+      backend: how the inside algorithms are mapped: "pmap" or "shard_map".
+
+    Returns:
+      One row per (size, algorithm): algorithm, devices, size_bytes, count, dtype, time_us,
+      algbw_gbps, busbw_gbps (GB = 1e9 bytes), wrong, iters, samples_us (every repeat, for the spread).
+    """
+    k = len(devices)
+    sharding = sharded(devices)
+    runners = {name: _runner(allreduce.get(name), devices, backend) for name in algorithms}
+    rows = []
+    for size in sizes:
+        count = size // _ITEMSIZE
+        x = jax.jit(_ramp, static_argnums=(0, 1), out_shardings=sharding)(k, count)
+        wrong, iters = {}, {}
+        for name, run in runners.items():
+            wrong[name] = int(_count_wrong(run(x)))  # warm-up: compiles, and checks the sum
+            once = _seconds_per_call(run, x, 1)
+            iters[name] = max(1, min(1000, math.ceil(min_seconds / max(once, 1e-9))))
+        samples: dict[str, list[float]] = {name: [] for name in runners}
+        for _ in range(repeats):
+            for name, run in runners.items():
+                samples[name].append(_seconds_per_call(run, x, iters[name]))
+        for name in runners:
+            t = statistics.median(samples[name])
+            algbw = size / t / 1e9
+            rows.append({
+                "algorithm": name, "devices": k, "size_bytes": size, "count": count, "dtype": "float32",
+                "time_us": t * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (k - 1) / k,
+                "wrong": wrong[name], "iters": iters[name], "samples_us": [u * 1e6 for u in samples[name]],
+            })
+        del x
+    return rows
+
+
+def _runner(strategy: allreduce.Allreduce, devices: Sequence[jax.Device],
+            backend: str = "pmap") -> Callable[[jax.Array], jax.Array]:
+    """x (k, n) sharded over `devices` → its allreduce, however the strategy runs."""
+    if strategy.where == "outside":
+        return strategy.fn
+    if backend == "pmap":
+        return jax.pmap(lambda local: strategy.fn(local, AXIS), axis_name=AXIS, devices=devices)
+    return jax.jit(jax.shard_map(  # as in jdp.parallel.step: check_vma=False, the strategy is the one reduction
+        lambda row: strategy.fn(row[0], AXIS)[None], mesh=mesh(devices),
+        in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False,
+    ))
+
+
+def _ramp(k: int, count: int) -> jax.Array:
+    """Row d, element j: (j mod 251) + d. Small integers: every summation order is exact in float32."""
+    j = jnp.arange(count, dtype=jnp.int32) % 251
+    return (j[None, :] + jnp.arange(k, dtype=jnp.int32)[:, None]).astype(jnp.float32)
+
+
+@jax.jit
+def _count_wrong(out: jax.Array) -> jax.Array:
+    """Elements, over all devices' rows, that differ from the exact sum of `_ramp`'s rows."""
+    k, count = out.shape
+    j = jnp.arange(count, dtype=jnp.int32) % 251
+    expected = (k * j + k * (k - 1) // 2).astype(jnp.float32)
+    return jnp.sum(out != expected[None, :])
+
+
+def _seconds_per_call(run: Callable[[jax.Array], jax.Array], x: jax.Array, iters: int) -> float:
+    """Mean wall time of `iters` back-to-back calls, at most two in flight (see jdp.parallel.inflight)."""
+    window = InFlight(limit=2)
+    start = time.perf_counter()
+    for _ in range(iters):
+        window.push(run(x))
+    window.drain()
+    return (time.perf_counter() - start) / iters
+
+
+def format_allreduce_table(rows: Sequence[dict], header: str) -> str:
+    """nccl-tests' columns, one row per (size, algorithm), a blank line between sizes."""
+    lines = [
+        f"# {header}",
+        f"#{'size':>11} {'count':>10}  {'type':<6} {'algorithm':<12} "
+        f"{'time':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>7}",
+        f"#{'(B)':>11} {'(elements)':>10}  {'':<6} {'':<12} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8}",
+    ]
+    previous = None
+    for r in rows:
+        if previous is not None and r["size_bytes"] != previous:
+            lines.append("")
+        previous = r["size_bytes"]
+        lines.append(f" {r['size_bytes']:>11} {r['count']:>10}  {'float':<6} {r['algorithm']:<12} "
+                     f"{r['time_us']:>10.1f} {r['algbw_gbps']:>8.3f} {r['busbw_gbps']:>8.3f} {r['wrong']:>7}")
+    return "\n".join(lines)
+
+
+def run_allreduce_bench(args: argparse.Namespace) -> int:
+    from jdp import plot
+
+    sizes = parse_sizes(args.sizes)
+    check_positive("--repeats", args.repeats)
+    load_plugins(args.plugin)
+    check_algorithms(args.algorithms)
+    out = check_out_dir(args.out)
+    devices = setup_devices(args)
+    rows = bench_allreduce(devices, sizes, args.algorithms, repeats=args.repeats, backend=args.backend)
+    header = (f"jdp bench allreduce: {where(devices)}, float32 sum, "
+              f"median of {args.repeats} repeats after a warm-up")
+    print(format_allreduce_table(rows, header), flush=True)
+    if out is not None:
+        record = {"benchmark": "allreduce", **machine(devices), "cpu_devices_simulated": args.cpu_devices,
+                  "backend": args.backend, "repeats": args.repeats, "results": rows}
+        (out / "allreduce.json").write_text(json.dumps(record, indent=2) + "\n")
+        title = f"allreduce on {len(devices)} {devices[0].platform} devices, float32, median of {args.repeats}"
+        plot.save(plot.busbw_vs_size(rows, title=title), out / "allreduce.png")
+        print(f"wrote {out / 'allreduce.json'} and {out / 'allreduce.png'}")
+    return 0

@@ -1,0 +1,81 @@
+"""Flags that `jdp train` and the benchmarks share, and what they set up before JAX starts.
+
+The benchmarks take their flags from here, never from `jdp.cli.main`, so that nothing in jdp
+imports the CLI.
+"""
+
+import argparse
+import importlib
+import os
+from pathlib import Path
+
+from jdp.errors import ConfigError
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit status 2), like every other jdp error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`.\n")
+
+
+def add_device_flags(parser: argparse.ArgumentParser) -> None:
+    """`--devices`, `--cpu-devices`, `--no-xla-flags` and `--plugin`: what `setup_devices` reads."""
+    parser.add_argument("--devices", type=int, default=None, help="number of devices to use (default: all)")
+    parser.add_argument("--cpu-devices", type=int, default=None,
+                        help="simulate N CPU devices (set before JAX starts); for machines without accelerators")
+    parser.add_argument("--no-xla-flags", action="store_true",
+                        help="do not set jdp's XLA performance flags (see jdp/runtime/xla_flags.py; "
+                        "also JDP_NO_XLA_FLAGS=1)")
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                        help="import MODULE first (repeatable): it may register models and allreduce strategies "
+                        "with jdp.register_model / jdp.register_allreduce")
+
+
+def add_backend_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="pmap", choices=["pmap", "shard_map"],
+                        help="map the step with jax.pmap, or jax.jit(jax.shard_map) over a 1-D mesh")
+
+
+def load_plugins(modules: list[str]) -> None:
+    """Imports each `--plugin` module (they register their models and strategies when imported).
+
+    Raises:
+      ConfigError: if a module cannot be imported.
+    """
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"`--plugin {name}` cannot be imported: {e}. Is it on PYTHONPATH?") from None
+
+
+def setup_devices(args: argparse.Namespace) -> list:
+    """Sets XLA flags and simulated CPU devices, joins a multi-process job if there is one, then
+    selects the devices (this is where JAX starts): with several processes, `--devices` of each."""
+    from jdp.runtime import devices, distributed, xla_flags
+
+    xla_flags.enable(disabled=args.no_xla_flags)  # XLA reads its flags once, when the backend starts
+    if args.cpu_devices is not None:
+        devices.simulate_cpu_devices(args.cpu_devices)
+    job = [getattr(args, name, None) for name in ("coordinator", "num_processes", "process_id")]
+    distributed.initialize(*job)
+    return devices.select_devices(args.devices)
+
+
+def check_out_dir(out: str | None) -> Path | None:
+    """`--out DIR`, created if missing; None if not given.
+
+    Raises:
+      ConfigError: if it cannot be created or written to.
+    """
+    if out is None:
+        return None
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"`--out {out}` cannot be created: {e.strerror}.") from None
+    if not os.access(path, os.W_OK):
+        raise ConfigError(f"`--out {out}` is not writable.")
+    return path

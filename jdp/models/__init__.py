@@ -1,0 +1,166 @@
+"""Models as pure functions over pytrees, and the registry `jdp train --model` looks them up in.
+
+A stateless model's variables are its params. A model with BatchNorm also carries state that the
+forward pass updates but gradients do not touch (the running statistics); its variables are
+`{"params": ..., "state": {"batch_stats": ...}}` and its loss returns the new state, so the train
+step (`jdp.make_train_step(..., stateful=True)`) differentiates "params" only and carries
+"state" through. Both are plain pytrees: `replicate`, the allreduce strategies, checkpoints and
+guards treat them like any other.
+
+BatchNorm over several devices (`--batchnorm`):
+
+* ``sync``: the batch mean and mean square are averaged over the device axis inside the step
+  (`lax.pmean`, in Flax's `BatchNorm(axis_name="data")`): k devices compute exactly what one
+  device computes on the global batch, and every replica keeps the same running statistics.
+* ``per-replica``: each device normalises over its own shard (B/k images) and updates its own
+  running statistics; gradients still go through the allreduce, so params stay identical while
+  the statistics drift apart. Like Flax's ImageNet example, `jdp.train` averages them over the
+  devices at the end of each epoch (`average_state`), before evaluating and checkpointing, so
+  evaluation uses one set of statistics whichever device evaluates.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import optax
+from jax import lax
+
+from jdp.errors import ConfigError
+from jdp.models import flax as flax_nets
+from jdp.models import lenet
+from jdp.models.lenet_fast import IMPLEMENTATIONS
+from jdp.runtime.devices import AXIS
+
+PyTree = Any
+BATCHNORM = ("sync", "per-replica")
+
+
+class Model(NamedTuple):
+    """What the data-parallel machinery needs of a model: three pure functions over pytrees.
+
+    Attributes:
+      init: key -> variables (the params, or {"params", "state"} if `stateful`).
+      loss: (params, images, labels) -> loss SUMMED over the images (the step divides by the full
+        batch); if `stateful`, (params, state, images, labels) -> (summed loss, new state).
+      apply: (variables, images) -> logits, in inference mode.
+      stateful: the model carries state the forward pass updates but gradients do not touch.
+      per_replica_state: that state differs between devices during an epoch (per-replica BatchNorm).
+      name: how runs, checkpoints and plots call it.
+    """
+
+    init: Callable[[jax.Array], PyTree]
+    loss: Callable[..., Any]
+    apply: Callable[[PyTree, jax.Array], jax.Array]
+    stateful: bool = False
+    per_replica_state: bool = False
+    name: str = "custom"
+
+
+def summed_cross_entropy(apply_fn: Callable[[PyTree, jax.Array], jax.Array]) -> Callable[..., jax.Array]:
+    """Softmax cross-entropy summed (not averaged) over the batch, as the lesson's `l.sum()`."""
+
+    def loss_fn(params: PyTree, images: jax.Array, labels: jax.Array) -> jax.Array:
+        logits = apply_fn(params, images)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum()
+
+    return loss_fn
+
+
+def _lenet(impl: str = "fast", batchnorm: str | None = None) -> Model:
+    _no_batchnorm("lenet", batchnorm)
+    if impl not in IMPLEMENTATIONS:
+        raise ConfigError(f"`--model-impl` must be one of {', '.join(IMPLEMENTATIONS)}, got `{impl}`.")
+    return Model(lenet.init, summed_cross_entropy(IMPLEMENTATIONS[impl]), IMPLEMENTATIONS[impl], name="lenet")
+
+
+def _lenet_flax(impl: str = "fast", batchnorm: str | None = None) -> Model:
+    _no_batchnorm("lenet_flax", batchnorm)
+    module = flax_nets.LeNet()
+    apply = lambda variables, images: module.apply(variables, images)  # noqa: E731
+    return Model(lambda key: module.init(key, _example()), summed_cross_entropy(apply), apply, name="lenet_flax")
+
+
+def _resnet18(impl: str = "fast", batchnorm: str | None = None) -> Model:
+    batchnorm = batchnorm or "sync"
+    if batchnorm not in BATCHNORM:
+        raise ConfigError(f"`--batchnorm` must be one of {', '.join(BATCHNORM)}, got `{batchnorm}`.")
+    module = flax_nets.ResNet18(batchnorm_axis=AXIS if batchnorm == "sync" else None)
+    return batchnorm_model(module)._replace(name="resnet18")
+
+
+def _no_batchnorm(name: str, batchnorm: str | None) -> None:
+    if batchnorm is not None:
+        raise ConfigError(f"`--batchnorm` applies to models with BatchNorm (resnet18), not `--model {name}`.")
+
+
+# The registry: name -> build(**options) -> Model. Built-ins take `impl` and `batchnorm` (the CLI's
+# `--model-impl` and `--batchnorm`); `register` adds more.
+_MODELS: dict[str, Callable[..., Model]] = {"lenet": _lenet, "lenet_flax": _lenet_flax, "resnet18": _resnet18}
+
+
+def register(name: str, build: Callable[..., Model], *, replace: bool = False) -> None:
+    """Makes `build(**options) -> Model` available as `get(name)` and `jdp train --model name`.
+
+    `jdp train` calls it with `impl=` and `batchnorm=` (the values of `--model-impl` and
+    `--batchnorm`); a model without such options accepts and ignores them or refuses them by name.
+
+    Raises:
+      ConfigError: if `name` is taken (unless `replace`).
+    """
+    if name in _MODELS and not replace:
+        raise ConfigError(f"A model named `{name}` is registered already; pass `replace=True`.")
+    _MODELS[name] = build
+
+
+def names() -> tuple[str, ...]:
+    """The registered models' names, built-ins first."""
+    return tuple(_MODELS)
+
+
+def get(name: "str | Model", **options: Any) -> Model:
+    """The model called `name` (or `name` itself if it is a `Model`), built with `options`.
+
+    Raises:
+      ConfigError: for an unknown name or a bad option.
+    """
+    if isinstance(name, Model):
+        return name
+    if name not in _MODELS:
+        raise ConfigError(f"`--model` must be one of {', '.join(_MODELS)}, got `{name}`.")
+    model = _MODELS[name](**options)
+    return model if model.name != "custom" else model._replace(name=name)
+
+
+def batchnorm_model(module: Any) -> Model:
+    """A Linen module with BatchNorm, called as `module(images, train=...)`, as a stateful `Model`."""
+
+    def init(key: jax.Array) -> PyTree:
+        variables = jax.jit(lambda k: module.init(k, _example(), train=False))(key)
+        return {"params": variables["params"], "state": {"batch_stats": variables["batch_stats"]}}
+
+    def loss(params, state, images, labels):
+        logits, state = module.apply({"params": params, **state}, images, train=True, mutable=["batch_stats"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum(), state
+
+    def apply(variables, images):
+        return module.apply({"params": variables["params"], **variables["state"]}, images, train=False)
+
+    return Model(init, loss, apply, stateful=True, per_replica_state=module.batchnorm_axis is None)
+
+
+def trainable(model: Model, variables: PyTree) -> PyTree:
+    """The part of `variables` the optimizer updates: all of a stateless model's, a stateful one's "params"."""
+    return variables["params"] if model.stateful else variables
+
+
+def average_state(variables: PyTree) -> PyTree:
+    """Per-device variables → the same with "state" averaged over the mapped device axis `AXIS`.
+
+    Call inside `jax.pmap(..., axis_name=AXIS)`; params pass through untouched.
+    """
+    return {"params": variables["params"], "state": lax.pmean(variables["state"], AXIS)}
+
+
+def _example() -> jax.Array:
+    return jax.numpy.zeros((1, 1, 28, 28), jax.numpy.float32)

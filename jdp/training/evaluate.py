@@ -1,0 +1,104 @@
+"""Test accuracy of replicated params, compiled once and reused every epoch.
+
+The evaluation set is split over the devices like a training batch and the correct counts are
+summed with `lax.psum`, or (the lesson's way) the first device evaluates everything.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jdp.parallel.inflight import InFlight
+from jdp.parallel.layout import (
+    Backend,
+    check_backend,
+    process_rows,
+    shard_rows,
+    unreplicate,
+)
+from jdp.runtime.devices import AXIS, mesh
+
+PyTree = Any
+ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
+
+
+Evaluator = Callable[[PyTree, np.ndarray, np.ndarray], float]
+
+
+def make_evaluator(
+    apply_fn: ApplyFn,
+    devices: Sequence[jax.Device],
+    batch_size: int = 1000,
+    *,
+    on_all_devices: bool = True,
+    backend: Backend = "pmap",
+) -> Evaluator:
+    """Builds `evaluate(params, images, labels) -> accuracy`, compiled once and reused every epoch.
+
+    With `on_all_devices`, each batch is split over the devices and the correct counts are summed
+    with `lax.psum`; the last partial batch is padded and masked, so the count is exactly the one
+    a single device computes. Otherwise the first device evaluates everything (the lesson's way;
+    with several processes, each evaluates on its own first device).
+
+    Args:
+      apply_fn: (params, images) -> logits.
+      devices: the devices holding the replicated params.
+      batch_size: images per evaluation batch, rounded up to a multiple of len(devices).
+      on_all_devices: split evaluation over all devices, or use only the first.
+      backend: the layout of the params, as the train step of that backend holds them.
+
+    Returns:
+      evaluate(params, images, labels): params replicated as the train step holds them; every
+      process passes the whole evaluation set.
+    """
+    check_backend(backend)
+    k = len(devices) if on_all_devices else 1
+    batch_size = -(-batch_size // k) * k
+    local = lambda params: params  # noqa: E731
+    place = lambda a: shard_rows(a[process_rows(len(a), devices)], devices, backend)  # noqa: E731
+
+    if not on_all_devices:
+        first = next(d for d in devices if d.process_index == jax.process_index())
+        count_fn = jax.jit(lambda p, x, y, m: _correct(apply_fn, p, x, y, m))
+        place = lambda a: jax.device_put(a, first)  # noqa: E731
+        local = lambda params: jax.device_put(unreplicate(params, backend), first)  # noqa: E731
+    elif backend == "pmap":
+        count_fn = jax.pmap(
+            lambda p, x, y, m: jax.lax.psum(_correct(apply_fn, p, x, y, m), AXIS),  # sum of counts
+            axis_name=AXIS, devices=devices,
+        )
+    else:
+        count_fn = jax.jit(jax.shard_map(
+            lambda p, x, y, m: jax.lax.psum(_correct(apply_fn, p, x, y, m), AXIS),  # sum of counts
+            mesh=mesh(devices), in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)), out_specs=P(),
+        ))
+
+    def evaluate(params: PyTree, images: np.ndarray, labels: np.ndarray) -> float:
+        params, window, counts = local(params), InFlight(), []
+        for start in range(0, len(images), batch_size):
+            stop = start + batch_size
+            x, y, mask = _padded(images[start:stop], labels[start:stop], batch_size)
+            counts.append(count_fn(params, place(x), place(y), place(mask)))
+            window.push(counts[-1])
+        window.drain()
+        return sum(int(np.asarray(c.addressable_data(0)).reshape(-1)[0]) for c in counts) / len(images)
+
+    return evaluate
+
+
+def _padded(x: np.ndarray, y: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    short = size - len(x)
+    mask = np.arange(size) < len(x)
+    if short:
+        x = np.concatenate([x, np.zeros((short, *x.shape[1:]), x.dtype)])
+        y = np.concatenate([y, np.zeros((short,), y.dtype)])
+    return x, y, mask
+
+
+def _correct(apply_fn: ApplyFn, params, x, y, mask) -> jax.Array:
+    hits = (jnp.argmax(apply_fn(params, x), axis=-1) == y) & mask
+    return hits.sum(dtype=jnp.int32)

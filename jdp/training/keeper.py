@@ -1,0 +1,118 @@
+"""The run keeper: where a training run is, its guards after every call, and its checkpoints."""
+
+import logging
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from jdp.errors import ConfigError
+from jdp.parallel.layout import to_host
+from jdp.training.checkpoint import path_for, restore_latest, save
+from jdp.training.resume import check_resumable
+
+PyTree = Any
+
+log = logging.getLogger(__name__)
+
+
+class Keeper:
+    """Where a training run is, its guards after every call, and the checkpoints saved of it.
+
+    `train` reports each compiled call (`after_call`) and each finished epoch (`end_epoch`). The
+    position (step, epoch, batches of it done) and the epoch's running loss are what a resumed run
+    needs to continue exactly: the loss is summed in float32 in the same order as uninterrupted.
+
+    Checkpoints are saved every `every` steps (at the first call boundary at or after each multiple)
+    and after the last epoch; without `every`, after every epoch. Only process 0 writes.
+
+    Args:
+      directory: `--checkpoint-dir`, or None to save nothing.
+      every: `--checkpoint-every`, or None.
+      run: `describe_run` of this run (stored with each checkpoint), or None without a directory.
+      steps_per_epoch: batches per epoch.
+      watch: the guards to run after every call (see `jdp.training.guards.Watch`).
+      host_copy: replicated device arrays -> this process's host copy (e.g. `jdp.unreplicate`).
+      data_key: the key data of the run's data-order PRNG key (saved with every checkpoint).
+    """
+
+    def __init__(self, directory: str | os.PathLike | None, every: int | None, run: dict[str, Any] | None,
+                 steps_per_epoch: int, watch: Any, host_copy: Any, data_key: np.ndarray) -> None:
+        self.directory, self.every, self.run, self.data_key = directory, every, run, data_key
+        self.steps_per_epoch, self.watch, self._host_copy = steps_per_epoch, watch, host_copy
+        self.step, self.epoch, self.batches_done = 0, 1, 0
+        self.history: list[dict[str, Any]] = []
+        self._loss_sum, self._losses = np.float32(0.0), []
+        self._saved_at = 0
+
+    def resume(self, target: PyTree, epochs: int) -> PyTree:
+        """Restores the newest intact checkpoint into `target`'s structure, or returns `target` if none.
+
+        Raises:
+          ConfigError: if the checkpoint belongs to another run (see `check_resumable`) or ends
+            after `epochs`.
+          DataError: if no checkpoint is intact.
+        """
+        found = restore_latest(self.directory, target)
+        if found is None:
+            log.info("no checkpoint in %s yet: starting at step 0", self.directory)
+            return target
+        notes = check_resumable(found.info["run"], self.run)
+        position = found.info["position"]
+        self.step, self.epoch, self.batches_done = position["step"], position["epoch"], position["batches_done"]
+        self._loss_sum, self.history = np.float32(position["loss_sum"]), found.info["history"]
+        self._saved_at, self.watch.last_good, self.data_key = self.step, found.path, found.arrays["data_key"]
+        if epochs < self.epoch - (self.batches_done == 0):
+            raise ConfigError(
+                f"`--epochs {epochs}` ends before {found.path} (step {self.step}, epoch {self.epoch}): "
+                f"pass `--epochs {self.epoch - (self.batches_done == 0)}` or more."
+            )
+        for note in notes:
+            log.info(note)
+        log.info("resuming from %s (step %d, epoch %d, %d of %d batches done)",
+                 found.path, self.step, self.epoch, self.batches_done, self.steps_per_epoch)
+        return found.arrays
+
+    def after_call(self, steps: int, state: tuple[PyTree, PyTree], losses: Any) -> None:
+        """Counts a call of `steps` steps, runs the guards, and saves if a checkpoint is due mid-epoch."""
+        self.step, self.batches_done = self.step + steps, self.batches_done + steps
+        self._losses.append(losses)
+        self.watch.after_call(self.step - steps + 1, self.step, *state, losses)
+        if self.every is not None and self.batches_done < self.steps_per_epoch and self._due():
+            self._save(state)
+
+    def epoch_loss(self) -> np.float32:
+        """The summed loss of the current epoch's steps so far (waits for them)."""
+        for losses in self._losses:
+            self._loss_sum = self._loss_sum + to_host(losses).sum()
+        self._losses = []
+        return self._loss_sum
+
+    def end_epoch(self, state: tuple[PyTree, PyTree], record: dict[str, Any], last: bool) -> None:
+        """Records a finished epoch; saves if a checkpoint is due or it was the `last`."""
+        self.watch.flush()
+        self.history.append(record)
+        self.epoch, self.batches_done, self._loss_sum, self._losses = self.epoch + 1, 0, np.float32(0.0), []
+        if self.every is None or last or self._due():
+            self._save(state)
+
+    def _due(self) -> bool:
+        return self.step // self.every > self._saved_at // self.every
+
+    def _save(self, state: tuple[PyTree, PyTree]) -> None:
+        if self.directory is None:
+            return
+        self.watch.flush()  # never save a non-finite value
+        params, opt_state = state
+        arrays = {"params": self._host_copy(params), "opt_state": self._host_copy(opt_state),
+                  "data_key": self.data_key}
+        info = {
+            "position": {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,
+                         "loss_sum": float(self.epoch_loss())},
+            "history": self.history,
+            "run": self.run,
+        }
+        if jax.process_index() == 0:
+            save(self.directory, self.step, arrays, info)
+        self.watch.last_good, self._saved_at = path_for(self.directory, self.step), self.step

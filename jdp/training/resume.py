@@ -1,0 +1,88 @@
+"""The resume policy: which checkpoints a run may continue, and what it must tell the user.
+
+A checkpoint stores a description of the run that wrote it (`describe_run`): its settings, its
+data's fingerprint and its device count. A run that resumes compares its own description with it
+(`check_resumable`): what defines the data order must match; anything else may change, with a note.
+"""
+
+import hashlib
+from typing import Any
+
+import jax
+import numpy as np
+
+from jdp.errors import ConfigError
+
+# What a resumed run must share with the checkpoint: the data order is a permutation per epoch drawn
+# from the seed, walked in batches of batch_size, so `position` means nothing under other values.
+MUST_MATCH = ("batch_size", "seed")
+# What may change without a note: how many epochs to run, and how the test set is evaluated.
+FREE = ("epochs", "eval_on")
+
+
+def dataset_fingerprint(dataset: Any) -> dict[str, Any]:
+    """Sizes and a sha256 of the training and test arrays: the same data gives the same fingerprint."""
+    digest = hashlib.sha256()
+    for array in (*dataset.train, *dataset.test):
+        digest.update(np.ascontiguousarray(array).data)
+    return {"train": len(dataset.train.labels), "test": len(dataset.test.labels), "sha256": digest.hexdigest()}
+
+
+def describe_run(config: dict[str, Any], dataset: Any, device_count: int) -> dict[str, Any]:
+    """What `check_resumable` compares: the run's settings (JSON values), its data and device count."""
+    return {
+        "config": config,
+        "devices": device_count,
+        "dataset": dataset_fingerprint(dataset),
+        "jax_version": jax.__version__,
+    }
+
+
+def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Refuses to resume a checkpoint under a run that would make it mean something else.
+
+    A different model is caught by `load` (shapes); a different dataset, batch size or seed here. Any
+    other setting may change (e.g. a lower `--lr` after a NaN): the run continues from the same
+    state, but is then not bit-identical to an uninterrupted one. So may the device count: every
+    device sums its shard's gradients, the allreduce sums those, and the update divides by the full
+    batch, so the update is the same for any count dividing the batch; only the order of float
+    additions changes (a count that does not divide the batch is refused as for a fresh run).
+
+    Args:
+      saved: the `run` description stored with the checkpoint.
+      current: the same description of the run that wants to resume.
+
+    Returns:
+      Notes, one per setting that changed, to tell the user.
+
+    Raises:
+      ConfigError: naming the setting that may not change.
+    """
+    if saved["dataset"] != current["dataset"]:
+        have, want = saved["dataset"], current["dataset"]
+        raise ConfigError(
+            f"The checkpoint was written for another dataset ({have['train']} training images, sha256 "
+            f"{have['sha256'][:12]}…) than this run's ({want['train']}, {want['sha256'][:12]}…). Resume with the "
+            "same `--dataset`, `--data-dir` and `--seed`, or pass a new `--checkpoint-dir`."
+        )
+    old, new = saved["config"], current["config"]
+    for name in MUST_MATCH:
+        if old.get(name) != new.get(name):
+            raise ConfigError(
+                f"`--{name.replace('_', '-')} {new.get(name)}` differs from the checkpoint's {old.get(name)}: the "
+                "data order to resume is defined by the batch size and seed. Resume with the checkpoint's value, "
+                "or pass a new `--checkpoint-dir`."
+            )
+    notes = [
+        f"resuming with `--{name.replace('_', '-')} {new.get(name)}` instead of the checkpoint's {old.get(name)}: "
+        "the run goes on from the saved state under the new setting (not bit-identical to an uninterrupted run)"
+        for name in sorted(old.keys() | new.keys())
+        if name not in FREE and old.get(name) != new.get(name)
+    ]
+    if saved["devices"] != current["devices"]:
+        notes.append(
+            f"resuming on {current['devices']} devices instead of the checkpoint's {saved['devices']}: each update is "
+            "the same sum over the full batch, only the order of float additions differs (close to, not bit-identical "
+            "with, an uninterrupted run)"
+        )
+    return notes
