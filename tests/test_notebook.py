@@ -1,9 +1,9 @@
 """Executes the lesson notebook top to bottom in quick mode so it can never silently rot."""
 
-from pathlib import pytest
-import Path
+from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "multiple_devices_from_scratch.ipynb"
