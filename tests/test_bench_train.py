@@ -23,6 +23,7 @@ def test_targets_report_misses():
     assert missed["max_overhead_1_2_devices"]["measured"] == 1.2
 
 
+@pytest.mark.slow
 def test_quick_bench_end_to_end(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "jdp", "bench", "train", "--cpu-devices", "2", "--devices", "1", "--dataset", "synthetic",

@@ -224,6 +224,7 @@ def test_resume_refuses_another_batch_size_seed_or_dataset(one_epoch, tmp_path, 
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["checkpoint-000000008.msgpack"]
 
 
+@pytest.mark.slow
 def test_resume_on_another_device_count_continues_the_same_math(one_epoch, tmp_path, devices, caplog):
     """Each device sums its shard's gradients, the allreduce sums those, the update divides by the FULL batch:
     the update is the same for any device count dividing the batch, up to float rounding order."""

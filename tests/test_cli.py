@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from jdp import cli
+from jdp.cli import main as cli
 
 
 def run_cli(*args, timeout=300):

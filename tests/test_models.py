@@ -114,8 +114,8 @@ def small(batches):
 SYNC_CASES = [
     pytest.param("resnet18", "psum", "pmap", 4, marks=pytest.mark.slow),  # float64 ResNet-18: minutes on 2 cores
     ("tiny", "manual", "pmap", 4),
-    ("tiny", "tree", "shard_map", 3),
-    ("tiny", "manual_ring", "shard_map", 2),
+    pytest.param("tiny", "tree", "shard_map", 3, marks=pytest.mark.slow),
+    pytest.param("tiny", "manual_ring", "shard_map", 2, marks=pytest.mark.slow),
 ]
 
 

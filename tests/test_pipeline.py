@@ -39,7 +39,8 @@ def host_loop(step, split, devices, key):
 
 @pytest.mark.parametrize(
     ("resident", "strategy", "steps_per_call"),
-    [(True, "psum", 1), (True, "psum", 2), (True, "manual", 1), (False, "psum", 2), (False, "manual", 1)],
+    [pytest.param(True, "psum", 1, marks=pytest.mark.slow), (True, "psum", 2), (True, "manual", 1), (False, "psum", 2),
+     pytest.param(False, "manual", 1, marks=pytest.mark.slow)],
 )
 def test_runner_equals_the_host_loop(split, devices, resident, strategy, steps_per_call):
     devices = devices[:2]

@@ -47,7 +47,7 @@ def test_manual_equals_psum(devices, batches):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow), 8])
 def test_k_devices_equal_one_device_on_the_full_batch(strategy, k, devices, batches):
     got = unreplicate(run_steps(strategy, devices[:k], batches))
     chex.assert_trees_all_close(got, single_device_full_batch(batches), rtol=1e-5, atol=1e-8)
