@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from optax import sgd
 
-from jdp import cli, data
+from jdp import data
 from jdp.bench import allreduce as bench_allreduce
+from jdp.cli import main as cli
 from jdp.errors import ConfigError
 from jdp.models import lenet, summed_cross_entropy
 from jdp.parallel import allreduce

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jdp import cli, data
+from jdp import data
+from jdp.cli import main as cli
 from jdp.training import checkpoint
 
 SAVED = {"history.json": b'{"saved": "by an earlier run"}\n', "accuracy.png": b"\x89PNG earlier"}

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from optax import sgd
 
-from jdp import cli, data
+from jdp import data
+from jdp.cli import main as cli
 from jdp.errors import ConfigError, DataError
 from jdp.models import lenet
 from jdp.parallel import layout

@@ -8,7 +8,8 @@ import optax
 import pytest
 from optax import sgd
 
-from jdp import cli, data
+from jdp import data
+from jdp.cli import main as cli
 from jdp.errors import TrainingError
 from jdp.models import lenet
 from jdp.parallel import allreduce
