@@ -151,8 +151,15 @@ def psum_params(batches):
     return unreplicate(train_params(allreduce.get("psum"), jax.devices()[:K], batches))
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["per-leaf", "buckets"])
-@pytest.mark.parametrize("name", ALGORITHMS)
+# The fast tier trains each strategy once and each kind of fused path (inside, outside) once.
+FAST_TRAINING = {("psum", False), ("psum", True), ("manual", False), ("manual_ring", True), ("ring", False),
+                 ("tree", False)}
+
+
+@pytest.mark.parametrize(("name", "fuse"), [
+    (name, fuse) if (name, fuse) in FAST_TRAINING else pytest.param(name, fuse, marks=pytest.mark.slow)
+    for name in ALGORITHMS for fuse in (False, True)
+], ids=lambda v: {False: "per-leaf", True: "buckets"}.get(v, v) if isinstance(v, bool) else v)
 def test_training_keeps_replicas_identical_and_matches_psum(name, fuse, batches, psum_params, devices):
     strategy = allreduce.get(name, fuse=fuse, bucket_mb=0.25 if fuse else None)  # W3 spans two buckets
     params = train_params(strategy, devices[:K], batches)

@@ -145,7 +145,7 @@ def test_all_lists_exactly_existing_public_names():
 
 def test_api_doc_mentions_every_public_name():
     text = (ROOT / "docs" / "api.md").read_text()
-    documented = set(re.findall(r"`jdp\.(\w+)", text))
+    documented = set(re.findall(r"`jdp\.(\w+)", text)) - {"__all__"}  # the list itself is not a public name
     assert not set(jdp.__all__) - documented, (
         f"docs/api.md does not document {sorted(set(jdp.__all__) - documented)}")
     assert not documented - set(jdp.__all__), (
