@@ -21,8 +21,11 @@ def test_help_lists_the_contract_flags():
 def test_train_synthetic_end_to_end(tmp_path):
     result = run_cli("train", "--cpu-devices", "2", "--devices", "2", "--dataset", "synthetic",
                      "--epochs", "2", "--batch-size", "64", "--lr", "0.5", "--allreduce", "manual",
-                     "--out", str(tmp_path / "out"), "--no-progress")
+                     "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
+    assert "%|" not in result.stderr, "progress bars written to a log"  # stderr is a pipe here, not a terminal
+    assert [line.split()[:2] for line in result.stdout.splitlines() if line.startswith("epoch")] == [
+        ["epoch", "1"], ["epoch", "2"]]  # one line per epoch instead
     last = result.stdout.strip().splitlines()[-2]
     assert last.startswith("test acc: ") and "sec/epoch on [CpuDevice(id=0), CpuDevice(id=1)]" in last
     history = json.loads((tmp_path / "out" / "history.json").read_text())
