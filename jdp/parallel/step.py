@@ -59,6 +59,10 @@ def make_train_step(
       stateful: the step's first argument is {"params", "state"} (see `jdp.Model`): only "params"
         is differentiated and updated, "state" is replaced by the loss's new state.
 
+    A stateful strategy (`allreduce.init`, e.g. PowerSGD's error feedback) keeps its per-device state
+    in the step's opt_state: `{"optimizer": <the optimizer's state>, "allreduce": <its state>}`, the
+    latter with leaves (k, ...), slice i on device i (`jdp.parallel.compress.init_state`), `pmap` only.
+
     Returns:
       step(params, opt_state, images, labels) -> (params, opt_state, losses): inputs placed with
       `jdp.replicate` / `jdp.split_batch` for `backend`, losses the per-device sums, shape (k,).
@@ -75,6 +79,11 @@ def make_train_step(
             f"`--allreduce {allreduce.name}` copies buffers between devices with `jax.device_put`, which only "
             f"reaches this process's devices, but the step spans {jax.process_count()} processes. "
             f"Use a collective strategy instead: {inside}."
+        )
+    if allreduce.init is not None and backend != "pmap":
+        raise ConfigError(
+            f"`{allreduce.name}` keeps different state on each device, which `--backend {backend}` cannot hold in "
+            "its replicated `P()` layout. Use `--backend pmap`."
         )
     k = len(devices)
 
@@ -95,9 +104,9 @@ def make_train_step(
 
     def local_step(variables, opt_state, images, labels):
         loss, grads, state = local_grads(variables, images, labels)
-        grads = allreduce.fn(grads, AXIS)  # the one reduction over the devices
+        grads, opt_state, kept = _reduce(allreduce, grads, opt_state, AXIS)  # the one reduction over the devices
         variables, opt_state = update(variables, opt_state, grads, state, images.shape[0])
-        return variables, opt_state, loss
+        return variables, _with_kept(opt_state, kept), loss
 
     if backend == "shard_map":
         return _shard_map_step(local_step, local_grads, update, allreduce, devices)
@@ -116,11 +125,24 @@ def _outside_step(grads_fn, allreduce: Allreduce, update_fn) -> TrainStep:
 
     def step(variables, opt_state, images, labels):
         loss, grads, state = grads_fn(variables, images, labels)  # per-device gradients leave the device step
-        grads = allreduce.fn(grads)  # explicit transfers between devices
+        grads, opt_state, kept = _reduce(allreduce, grads, opt_state)  # explicit transfers between devices
         variables, opt_state = update_fn(variables, opt_state, grads, state, images)
-        return variables, opt_state, loss
+        return variables, _with_kept(opt_state, kept), loss
 
     return step
+
+
+def _reduce(allreduce: Allreduce, grads: PyTree, opt_state: PyTree, *axis: str) -> tuple[PyTree, PyTree, PyTree]:
+    """(the summed gradients, the optimizer's state, the strategy's new state or None if it keeps none)."""
+    if allreduce.init is None:
+        return allreduce.fn(grads, *axis), opt_state, None
+    grads, kept = allreduce.fn(grads, opt_state["allreduce"], *axis)
+    return grads, opt_state["optimizer"], kept
+
+
+def _with_kept(opt_state: PyTree, kept: PyTree) -> PyTree:
+    """The step's opt_state: the optimizer's, with a stateful strategy's state beside it."""
+    return opt_state if kept is None else {"optimizer": opt_state, "allreduce": kept}
 
 
 def _shard_map_step(local_step, local_grads, update, allreduce: Allreduce,
