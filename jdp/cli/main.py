@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from jdp.cli.flags import (
     OneLineErrorParser,
     add_backend_flag,
+    add_compress_flags,
     add_device_flags,
     check_out_dir,
     load_plugins,
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="allreduce the gradients raveled into one buffer per dtype instead of one per leaf")
     train.add_argument("--bucket-mb", type=float, default=None, metavar="M",
                        help="with --fuse: buckets of at most M MB (like DDP's bucket_cap_mb) instead of one buffer")
+    add_compress_flags(train)
     train.add_argument("--dataset", default="fashion_mnist", choices=["fashion_mnist", "tfds", "synthetic"])
     train.add_argument("--data-dir", default=None,
                        help="folder with the four IDX files (default: $JDP_DATA_DIR, ../shared/data/fashion-mnist, "
@@ -104,7 +106,7 @@ def run_train(args: argparse.Namespace) -> int:
     from jdp import data, plot
     from jdp.runtime.devices import describe
     from jdp.training import checkpoint
-    from jdp.training.loop import TrainConfig, train
+    from jdp.training.loop import TrainConfig, payload_bytes, train
 
     load_plugins(args.plugin)
 
@@ -112,7 +114,8 @@ def run_train(args: argparse.Namespace) -> int:
                          allreduce=args.allreduce, fuse=args.fuse, bucket_mb=args.bucket_mb,
                          seed=args.seed, eval_on=args.eval_on,
                          warmup_steps=args.warmup_steps, model=args.model, model_impl=args.model_impl, batchnorm=args.batchnorm,
-                         steps_per_call=args.steps_per_call, backend=args.backend)
+                         steps_per_call=args.steps_per_call, backend=args.backend,
+                         compress=args.compress, powersgd_rank=args.powersgd_rank)
     config.validate()
     out = check_out_dir(args.out)
     checkpoint.check_options(args.checkpoint_dir, args.checkpoint_every, args.resume)
@@ -141,6 +144,7 @@ def run_train(args: argparse.Namespace) -> int:
             "devices": describe(devices),
             "jax_version": jax.__version__,
             "epochs": [dataclasses.asdict(r) for r in history],
+            "allreduce_payload_bytes": payload_bytes(config),  # per device per step, what crosses devices
         }
         (out / "history.json").write_text(json.dumps(record, indent=2) + "\n")
         title = f"{args.model}, {args.allreduce}, {len(devices)} device(s), batch {args.batch_size}, lr {args.lr}"
