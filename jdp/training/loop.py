@@ -27,6 +27,7 @@ from jdp.training import checkpoint, guards
 from jdp.training.evaluate import make_evaluator
 from jdp.training.feeders import make_epoch_runner
 from jdp.training.keeper import Keeper
+from jdp.training.profile import Profiler, check_window
 from jdp.training.resume import describe_run
 
 PyTree = Any
@@ -126,6 +127,7 @@ def train(
     checkpoint_every: int | None = None,
     resume: bool = False,
     check_replicas: int | None = None,
+    profile: Profiler | None = None,
 ) -> tuple[PyTree, list[EpochRecord]]:
     """Trains `config.model` (the lesson's LeNet by default, or your own `Model`) data-parallel on `devices`.
 
@@ -139,6 +141,7 @@ def train(
       checkpoint_every: save every this many steps; None: at the end of every epoch.
       resume: continue from the newest intact checkpoint in `checkpoint_dir`, if any.
       check_replicas: every this many steps, stop unless all replicas are bit-identical.
+      profile: traces its steps and measures their breakdown (`profile.breakdown` after the run).
 
     Returns:
       (params, history): the first replica's params and one record per epoch (with a resumed
@@ -158,6 +161,8 @@ def train(
     model = config.build_model()
     params = model.init(init_key)
     steps_per_epoch = len(dataset.train.labels) // config.batch_size
+    if profile is not None:
+        check_window(profile.first, profile.last, steps_per_epoch * config.epochs)
     strategy = config.strategy()
     keeper = Keeper(
         checkpoint_dir, checkpoint_every,
@@ -175,16 +180,25 @@ def train(
     data_key = jax.random.wrap_key_data(arrays["data_key"])
     state = (replicate(arrays["params"], devices, config.backend),
              _place_opt_state(strategy, arrays["opt_state"], devices, config.backend))
-    step = make_train_step(model.loss, optimizer, strategy, devices, backend=config.backend, stateful=model.stateful)
+    step = make_train_step(model.loss, optimizer, strategy, devices, backend=config.backend, stateful=model.stateful,
+                           **({} if profile is None else {"segment": profile.segment}))
     evaluate = make_evaluator(model.apply, devices, on_all_devices=config.eval_on == "all", backend=config.backend)
     if model.per_replica_state:  # one set of statistics before evaluating and saving (see jdp.models)
         average = jax.pmap(models.average_state, axis_name=AXIS, devices=devices, donate_argnums=0)
     run_epoch = make_epoch_runner(step, dataset.train, devices, config.batch_size, config.backend,
                                   steps_per_call=config.steps_per_call, traceable=strategy.where == "inside")
+    after_call = keeper.after_call
+    if profile is not None:
+        profile.at(keeper.step, state)
+
+        def after_call(steps, state, losses):
+            keeper.after_call(steps, state, losses)
+            profile.at(keeper.step, state)
+
     for epoch in range(keeper.epoch, config.epochs + 1):
         start = time.perf_counter()
         state, _ = run_epoch(state, jax.random.fold_in(data_key, epoch), progress,
-                             start=keeper.batches_done, after_call=keeper.after_call)
+                             start=keeper.batches_done, after_call=after_call)
         seconds = time.perf_counter() - start
         if model.per_replica_state:
             state = (average(state[0]), state[1])
