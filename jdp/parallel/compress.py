@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jdp.errors import ConfigError, check_positive
 from jdp.parallel import allreduce as allreduce_lib
@@ -46,7 +47,9 @@ def cast(strategy: Allreduce, dtype: jnp.dtype) -> Allreduce:
     name = f"{strategy.name}+{jnp.dtype(dtype).name}"
 
     def down(tree):
-        return jax.tree.map(lambda x: x.astype(dtype), tree)
+        # The barrier keeps the rounding: XLA's CPU all-reduce adds bf16 in float32, and with its
+        # performance flags XLA then drops the convert pair around it, so psum would round nothing.
+        return lax.optimization_barrier(jax.tree.map(lambda x: x.astype(dtype), tree))
 
     def up(sums, tree):
         return jax.tree.map(lambda s, x: s.astype(x.dtype), sums, tree)
