@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (allreduce, step, train_bench):  # each benchmark adds its own subcommand
         module.add_parser(benchmarks)
 
+    from jdp.cli import compare
+
+    compare.add_parser(commands)
+
     launch = commands.add_parser(
         "launch", help="run a multi-process job on this machine over loopback (simulated CPU devices)",
         description="Start P processes of COMMAND on 127.0.0.1, each with its own --process-id, "
