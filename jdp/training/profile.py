@@ -32,8 +32,11 @@ from jdp.errors import ConfigError
 
 PyTree = Any
 
-COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|collective-broadcast"
-                        r"|send|recv)")
+# A collective's instruction is named by its HLO opcode (all-reduce.3) or, in current JAX, by the
+# primitive that made it (psum.7, ppermute.2).
+COLLECTIVE = re.compile(r"^(all[-_]reduce|all[-_]gather|reduce[-_]scatter|collective[-_]permute|all[-_]to[-_]all"
+                        r"|collective[-_]broadcast|send|recv|psum|pmean|pmax|pmin|ppermute|psum_scatter|pbroadcast)"
+                        r"([.-]|$)")
 _OP = re.compile(r"^[a-z][\w-]*(\.\d+)*$")  # an HLO instruction's name: fusion.3, all-reduce, ynn_fusion.9
 
 
