@@ -42,7 +42,7 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 MODES = ("none", "bf16", "fp16", "bf16-wire", "fp16-wire", "powersgd")
 
 
-def cast(strategy: Allreduce, dtype: jnp.dtype) -> Allreduce:
+def low_precision(strategy: Allreduce, dtype: jnp.dtype) -> Allreduce:
     """Wraps `strategy` to allreduce every leaf in `dtype` and cast the sum back to the leaf's dtype."""
     name = f"{strategy.name}+{jnp.dtype(dtype).name}"
 
@@ -188,7 +188,7 @@ def get(name: str | Allreduce, *, fuse: bool = False, bucket_mb: float | None = 
         return strategy
     if compress == "powersgd":
         return powersgd(strategy, 1 if rank is None else rank)
-    return cast(strategy, DTYPES[compress])
+    return low_precision(strategy, DTYPES[compress])
 
 
 def payload_bytes(grads: PyTree, compress: str = "none", rank: int | None = None) -> int:
