@@ -4,6 +4,9 @@
 import dataclasses
 import gzip
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import pytest
@@ -105,3 +108,27 @@ def test_compare_refuses_a_directory_without_history(tmp_path, capsys):
     assert jdp_main(["compare", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"`{tmp_path}` has no readable history.json" in err
+
+
+# ---- experiments/compression.py ------------------------------------------------------------------
+
+EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "compression.py"
+
+
+def test_compression_experiment_help():
+    result = subprocess.run([sys.executable, str(EXPERIMENT), "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "--quick" in result.stdout and "--reuse" in result.stdout
+
+
+@pytest.mark.slow
+def test_compression_experiment_quick_mode_writes_outputs(tmp_path):
+    result = subprocess.run([sys.executable, str(EXPERIMENT), "--quick", "--runs", str(tmp_path / "runs"),
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "compression.json").read_text())
+    assert record["quick"] is True and list(record["runs"]) == ["none", "bf16", "powersgd-r1", "powersgd-r2",
+                                                                 "powersgd-r4"]
+    sent = [r["allreduce_payload_bytes"] for r in record["runs"].values()]
+    assert sent[0] == 2 * sent[1] and sent[2] < sent[3] < sent[4] < sent[1]
+    assert (tmp_path / "out" / "compression.md").read_text() in result.stdout
+    assert (tmp_path / "out" / "compare.png").stat().st_size > 10_000
