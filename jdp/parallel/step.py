@@ -127,11 +127,11 @@ def make_train_step(
 def _outside_step(grads_fn, allreduce: Allreduce, update_fn, segment) -> TrainStep:
     """The step of an "outside" strategy: three calls, with the allreduce's transfers between them."""
     grads_fn, update_fn = segment("compute", grads_fn), segment("compute", update_fn)
-    _reduce_timed = segment("communication", partial(_reduce, allreduce))
+    reduce_grads = segment("communication", partial(_reduce, allreduce))
 
     def step(variables, opt_state, images, labels):
         loss, grads, state = grads_fn(variables, images, labels)  # per-device gradients leave the device step
-        grads, opt_state, kept = _reduce_timed(grads, opt_state)  # explicit transfers between devices
+        grads, opt_state, kept = reduce_grads(grads, opt_state)  # explicit transfers between devices
         variables, opt_state = update_fn(variables, opt_state, grads, state, images)
         return variables, _with_kept(opt_state, kept), loss
 
