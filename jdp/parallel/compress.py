@@ -172,7 +172,8 @@ def get(name: str | Allreduce, *, fuse: bool = False, bucket_mb: float | None = 
     if compress not in MODES:
         raise ConfigError(f"`--compress {compress}` is not a mode; choose one of: {', '.join(MODES)}.")
     if compress != "powersgd" and rank is not None:
-        raise ConfigError(f"`--powersgd-rank {rank}` applies to `--compress powersgd` only; add `--compress powersgd` or drop `--powersgd-rank`.")
+        raise ConfigError(f"`--powersgd-rank {rank}` applies to `--compress powersgd` only; add `--compress powersgd` "
+                          "or drop `--powersgd-rank`.")
     if compress.endswith("-wire"):
         if allreduce_lib.get(name).fn is not allreduce_lib.ring:
             raise ConfigError(
