@@ -54,7 +54,8 @@ def main() -> None:
     epochs = len(histories["none"]["epochs"])
     table += (f"\nLeNet, 2 simulated CPU devices, batch 256, lr 0.2, {epochs} epoch(s), allreduce psum; "
               f"{'synthetic data (quick mode)' if args.quick else 'Fashion-MNIST'}. Measured on {common.machine()}; "
-              f"JAX {jax.__version__}; {datetime.date.today().isoformat()}. Curves and per-epoch table: compare.png, compare.md (`jdp compare`).\n")
+              f"JAX {jax.__version__}; {datetime.date.today().isoformat()}. Curves and per-epoch table: "
+              "compare.png, compare.md (`jdp compare`).\n")
     record = {"quick": args.quick, "machine": common.machine(), "jax_version": jax.__version__,
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "runs": {name: {"flags": MODES[name], "test_acc": [e["test_acc"] for e in h["epochs"]],

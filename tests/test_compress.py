@@ -59,7 +59,8 @@ def test_cast_stays_within_the_rounding_bound_of_its_dtype(name, mode, devices):
             compress.get(name, compress=mode)
         return
     rng = np.random.default_rng(0)
-    tree = {"w": rng.standard_normal((K, 37, 5)).astype(np.float32), "b": rng.standard_normal((K, 3)).astype(np.float32)}
+    tree = {"w": rng.standard_normal((K, 37, 5)).astype(np.float32),
+            "b": rng.standard_normal((K, 3)).astype(np.float32)}
     strategy = compress.get(name, compress=mode)
     got = assert_identical_sums(run(strategy, tree, devices[:K]), K)
     u = UNIT_ROUNDOFF[mode[:4]]
@@ -194,7 +195,8 @@ def test_a_resumed_powersgd_run_is_bit_identical_to_an_uninterrupted_one(tmp_pat
     """The error state is per device and saved whole: resuming mid-epoch continues the same arithmetic."""
     config = dataclasses.replace(CONFIG, compress="powersgd", powersgd_rank=1, epochs=2)
     train(config, SMALL, devices[:2], checkpoint_dir=tmp_path / "whole", checkpoint_every=3)
-    train(dataclasses.replace(config, epochs=1), SMALL, devices[:2], checkpoint_dir=tmp_path / "cut", checkpoint_every=3)
+    train(dataclasses.replace(config, epochs=1), SMALL, devices[:2],
+          checkpoint_dir=tmp_path / "cut", checkpoint_every=3)
     checkpoint.list_checkpoints(tmp_path / "cut")[0].unlink()  # the end of epoch 1 is lost: resume from step 6
     train(config, SMALL, devices[:2], checkpoint_dir=tmp_path / "cut", checkpoint_every=3, resume=True)
     target = checkpoint_target(config, device_count=2)
