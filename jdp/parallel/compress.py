@@ -56,10 +56,8 @@ def low_precision(strategy: Allreduce, dtype: jnp.dtype) -> Allreduce:
 
     if strategy.where == "inside":
         return Allreduce(name, lambda tree, axis_name: up(strategy.fn(down(tree), axis_name), tree))
-    return Allreduce(name, lambda tree: up(strategy.fn(_jit_down(tree, dtype)), tree), "outside")
-
-
-_jit_down = jax.jit(lambda tree, dtype: jax.tree.map(lambda x: x.astype(dtype), tree), static_argnums=1)
+    down_on_devices = jax.jit(down)  # one dispatch; each slice is cast on its own device
+    return Allreduce(name, lambda tree: up(strategy.fn(down_on_devices(tree)), tree), "outside")
 
 
 # --- PowerSGD ---------------------------------------------------------------------------------
