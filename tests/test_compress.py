@@ -3,6 +3,8 @@ replicas bit-identical for every wrapper × strategy, and PowerSGD runs that res
 
 import dataclasses
 import functools
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -208,3 +210,30 @@ def test_a_resumed_powersgd_run_is_bit_identical_to_an_uninterrupted_one(tmp_pat
     assert not np.array_equal(errors[0][0], errors[0][1])  # per device: the two devices' errors differ
     for a, b in zip(jax.tree.leaves(whole.arrays), jax.tree.leaves(cut.arrays), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+ROUNDS_UNDER_FLAGS = """
+import jdp
+jdp.enable_xla_flags()
+jdp.simulate_cpu_devices(2)
+import jax, numpy as np, optax
+from jdp.parallel import compress
+from jdp.parallel.layout import replicate, split_batch
+from jdp.parallel.step import make_train_step
+devices, model, optimizer = jax.devices(), jdp.get_model("lenet"), optax.sgd(0.1)
+params = model.init(jax.random.key(0))
+step = make_train_step(model.loss, optimizer, compress.get("psum", compress="bf16"), devices)
+batch = split_batch(np.zeros((8, 1, 28, 28), np.float32), np.zeros(8, np.int32), devices)
+hlo = step.lower(replicate(params, devices), replicate(optimizer.init(params), devices), *batch).compile().as_text()
+print(hlo.count("bf16["))
+"""
+
+
+@pytest.mark.slow
+def test_bf16_psum_rounds_under_jdps_xla_flags():
+    """Regression: with jdp's XLA CPU flags, XLA promoted the bf16 all-reduce to float32 and removed the
+    converts around it, so `psum + bf16` compiled to no rounding at all (a 10-epoch run came out
+    bit-identical to `none`). The flags are read when JAX starts, hence the fresh process."""
+    result = subprocess.run([sys.executable, "-c", ROUNDS_UNDER_FLAGS], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert int(result.stdout.split()[-1]) > 0  # bf16 values in the compiled step: the rounding is there
