@@ -21,6 +21,7 @@ from jdp.parallel.allreduce import Allreduce, fused
 from jdp.parallel.allreduce import get as get_allreduce
 from jdp.parallel.allreduce import names as allreduce_names
 from jdp.parallel.allreduce import register as register_allreduce
+from jdp.parallel.compress import low_precision, powersgd
 from jdp.parallel.layout import replicate, split_batch, unreplicate
 from jdp.parallel.step import make_train_step
 from jdp.runtime.devices import AXIS, select_devices, simulate_cpu_devices
@@ -55,10 +56,12 @@ __all__ = [
     "get_allreduce",
     "get_model",
     "load_dataset",
+    "low_precision",
     "make_evaluator",
     "make_train_step",
     "model_names",
     "plot",
+    "powersgd",
     "register_allreduce",
     "register_model",
     "replicate",

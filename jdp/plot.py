@@ -81,3 +81,22 @@ def busbw_vs_size(rows: Sequence[dict], title: str = "") -> Figure:
     ax.set_xlabel("bytes per device")
     ax.set_ylabel("busbw (GB/s)")
     return _finish(figure, ax, title, title_size=8)
+
+
+def runs_per_epoch(test_acc: dict[str, Sequence[float]], train_loss: dict[str, Sequence[float]],
+                   title: str = "") -> Figure:
+    """Several runs side by side: test accuracy (left) and train loss (right) per epoch, one line per run."""
+    figure = Figure(figsize=(10, 3.8))
+    left, right = figure.subplots(1, 2)
+    for ax, series, ylabel in ((left, test_acc, "test accuracy"), (right, train_loss, "train loss")):
+        for label, ys in series.items():
+            ax.plot(range(1, len(ys) + 1), ys, marker="o", markersize=3, label=label)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+    right.set_yscale("log")
+    left.legend(fontsize=8)
+    if title:
+        figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    return figure

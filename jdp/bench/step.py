@@ -1,12 +1,15 @@
 """`jdp bench step`: the lesson's LeNet train step with every allreduce strategy, side by side.
 
 Each strategy is timed per leaf and fused, interleaved in one run, and divided by psum's time
-measured in the same run: on a shared machine only such ratios compare.
+measured in the same run: on a shared machine only such ratios compare. Then `steps` more steps of
+each are profiled (`jdp.training.profile`) for the breakdown column: compute, communication and
+host milliseconds per step.
 """
 
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -29,6 +32,7 @@ from jdp.parallel import allreduce
 from jdp.parallel.inflight import repeat_step
 from jdp.parallel.layout import check_divisible, replicate, split_batch
 from jdp.parallel.step import make_train_step
+from jdp.training.profile import Profiler
 
 
 def add_parser(benchmarks: argparse._SubParsersAction) -> None:
@@ -77,8 +81,9 @@ def bench_step(
 
     Returns:
       One row per configuration: algorithm, fused, strategy (its full name), ms_per_step,
-      images_per_s, vs_psum (time / psum-per-leaf time; psum is measured even if not asked for) and
-      samples_ms (every repeat, for the spread).
+      images_per_s, vs_psum (time / psum-per-leaf time; psum is measured even if not asked for),
+      samples_ms (every repeat, for the spread) and breakdown (`jdp.training.profile.Breakdown` of
+      `steps` profiled steps, as a dict).
     """
     configs = [allreduce.get(name, fuse=fuse, bucket_mb=bucket_mb if fuse else None)
                for name in dict.fromkeys(["psum", *algorithms]) for fuse in (False, True)]
@@ -87,24 +92,30 @@ def bench_step(
     optimizer = optax.sgd(0.2)
     params = lenet.init(jax.random.key(0))
     loss_fn = summed_cross_entropy(lenet.apply)
-    runs = []
+    runs, traces = [], tempfile.TemporaryDirectory(prefix="jdp-bench-step-")
     for strategy in configs:
-        step = make_train_step(loss_fn, optimizer, strategy, devices, backend=backend)
+        profiler = Profiler(f"{traces.name}/{strategy.name}", 1, steps, len(devices), strategy.where)
+        step = make_train_step(loss_fn, optimizer, strategy, devices, backend=backend, segment=profiler.segment)
         state = tuple(replicate(t, devices, backend) for t in (params, optimizer.init(params)))
         state = _time_steps(step, state, x, y, 2)[0]  # warm-up: compile
-        runs.append([step, state, []])
+        runs.append([step, state, [], profiler])
     for _ in range(repeats):
         for run in runs:
             run[1], seconds = _time_steps(run[0], run[1], x, y, steps)
             run[2].append(seconds / steps)
+    with traces:
+        for step, state, _, profiler in runs:
+            profiler.at(0, state)
+            profiler.at(steps, repeat_step(step, state, x, y, steps))
     reference = statistics.median(runs[0][2])
     rows = []
-    for strategy, (_, _, samples) in zip(configs, runs, strict=True):
+    for strategy, (_, _, samples, profiler) in zip(configs, runs, strict=True):
         t = statistics.median(samples)
         name, _, mode = strategy.name.partition("+")
         rows.append({
             "algorithm": name, "fused": bool(mode), "strategy": strategy.name, "ms_per_step": t * 1e3,
             "images_per_s": batch_size / t, "vs_psum": t / reference, "samples_ms": [u * 1e3 for u in samples],
+            "breakdown": profiler.breakdown._asdict(),
         })
     return [r for r in rows if r["algorithm"] in algorithms]
 
@@ -118,11 +129,14 @@ def _time_steps(step, state, x, y, steps: int):
 
 def format_step_table(rows: Sequence[dict], header: str) -> str:
     lines = [f"# {header}",
-             f"# {'algorithm':<12} {'mode':<16} {'ms/step':>9} {'images/s':>9} {'vs psum':>8}"]
+             f"# {'algorithm':<12} {'mode':<16} {'ms/step':>9} {'images/s':>9} {'vs psum':>8}  "
+             "compute/communication/host ms (profiled)"]
     for r in rows:
         mode = r["strategy"].partition("+")[2] or "per-leaf"
+        b = r["breakdown"]
         lines.append(f"  {r['algorithm']:<12} {mode:<16} {r['ms_per_step']:>9.1f} {r['images_per_s']:>9.0f} "
-                     f"{r['vs_psum']:>7.2f}x")
+                     f"{r['vs_psum']:>7.2f}x  {b['compute_ms']:.1f}/{b['communication_ms']:.1f}/{b['host_ms']:.1f} "
+                     f"({b['source']})")
     return "\n".join(lines)
 
 

@@ -37,6 +37,17 @@ def add_backend_flag(parser: argparse.ArgumentParser) -> None:
                         help="map the step with jax.pmap, or jax.jit(jax.shard_map) over a 1-D mesh")
 
 
+def add_compress_flags(parser: argparse.ArgumentParser) -> None:
+    """`--compress` and `--powersgd-rank`: how the allreduce compresses what it sends (jdp.parallel.compress)."""
+    from jdp.parallel.compress import MODES  # imports JAX, which the benches' parsers import anyway
+
+    parser.add_argument("--compress", default="none", choices=MODES,
+                        help="compress the allreduce: cast to bf16/fp16 (sums in that dtype), send bf16/fp16 but add "
+                        "in float32 at each ring hop (-wire, --allreduce ring), or rank-R PowerSGD with error feedback")
+    parser.add_argument("--powersgd-rank", type=int, default=None, metavar="R",
+                        help="with --compress powersgd: the rank of its factors (default 1)")
+
+
 def load_plugins(modules: list[str]) -> None:
     """Imports each `--plugin` module (they register their models and strategies when imported).
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from jdp.cli.flags import (
     OneLineErrorParser,
     add_backend_flag,
+    add_compress_flags,
     add_device_flags,
     check_out_dir,
     load_plugins,
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="allreduce the gradients raveled into one buffer per dtype instead of one per leaf")
     train.add_argument("--bucket-mb", type=float, default=None, metavar="M",
                        help="with --fuse: buckets of at most M MB (like DDP's bucket_cap_mb) instead of one buffer")
+    add_compress_flags(train)
     train.add_argument("--dataset", default="fashion_mnist", choices=["fashion_mnist", "tfds", "synthetic"])
     train.add_argument("--data-dir", default=None,
                        help="folder with the four IDX files (default: $JDP_DATA_DIR, ../shared/data/fashion-mnist, "
@@ -68,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue from the newest intact checkpoint in --checkpoint-dir")
     train.add_argument("--check-replicas", type=int, default=None, metavar="N",
                        help="every N steps, stop unless all replicas are bit-identical")
+    train.add_argument("--profile", default=None, metavar="DIR",
+                       help="write a jax.profiler trace of --profile-steps to DIR (Perfetto, TensorBoard) and print "
+                       "where each step's time goes: compute, communication, host")
+    train.add_argument("--profile-steps", default="3:12", metavar="A:B",
+                       help="with --profile: the steps to trace, counted from 1 (the first steps compile)")
     add_backend_flag(train)
     train.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                        help="multi-process: address of process 0's coordination service (with --num-processes "
@@ -83,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module in (allreduce, step, train_bench):  # each benchmark adds its own subcommand
         module.add_parser(benchmarks)
+
+    from jdp.cli import compare
+
+    compare.add_parser(commands)
 
     launch = commands.add_parser(
         "launch", help="run a multi-process job on this machine over loopback (simulated CPU devices)",
@@ -104,7 +115,8 @@ def run_train(args: argparse.Namespace) -> int:
     from jdp import data, plot
     from jdp.runtime.devices import describe
     from jdp.training import checkpoint
-    from jdp.training.loop import TrainConfig, train
+    from jdp.training.loop import TrainConfig, payload_bytes, train
+    from jdp.training.profile import Profiler, parse_steps
 
     load_plugins(args.plugin)
 
@@ -112,12 +124,16 @@ def run_train(args: argparse.Namespace) -> int:
                          allreduce=args.allreduce, fuse=args.fuse, bucket_mb=args.bucket_mb,
                          seed=args.seed, eval_on=args.eval_on,
                          warmup_steps=args.warmup_steps, model=args.model, model_impl=args.model_impl, batchnorm=args.batchnorm,
-                         steps_per_call=args.steps_per_call, backend=args.backend)
+                         steps_per_call=args.steps_per_call, backend=args.backend,
+                         compress=args.compress, powersgd_rank=args.powersgd_rank)
     config.validate()
     out = check_out_dir(args.out)
     checkpoint.check_options(args.checkpoint_dir, args.checkpoint_every, args.resume)
+    first, last = parse_steps(args.profile_steps)
     devices = setup_devices(args)
     dataset = data.load(args.dataset, args.data_dir, seed=args.seed)
+    profiler = None if args.profile is None else Profiler(args.profile, first, last, len(devices),
+                                                          config.strategy().where)
 
     def progress(batches, total):
         quiet = args.no_progress or not sys.stderr.isatty()  # in a log: only the epoch lines below
@@ -131,16 +147,22 @@ def run_train(args: argparse.Namespace) -> int:
 
     _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                       resume=args.resume, check_replicas=args.check_replicas)
+                       resume=args.resume, check_replicas=args.check_replicas, profile=profiler)
     test_acc = [r.test_acc for r in history]
     sec_per_epoch = sum(r.seconds for r in history) / len(history)
     print(f"test acc: {test_acc[-1]:.2f}, {sec_per_epoch:.1f} sec/epoch on [{', '.join(describe(devices))}]")
+    if profiler is not None and profiler.breakdown is not None:
+        size = profiler.trace.stat().st_size / 2**20
+        print(f"profile of steps {first}-{last}: {profiler.breakdown.line()}\n"
+              f"trace: {profiler.trace} ({size:.1f} MB): open it at https://ui.perfetto.dev, or run "
+              f"`tensorboard --logdir {args.profile}` (Profile tab)")
     if out is not None and jax.process_index() == 0:  # one writer per multi-process job
         record = {
             "config": {k: v for k, v in vars(args).items() if k not in ("run", "command")},
             "devices": describe(devices),
             "jax_version": jax.__version__,
             "epochs": [dataclasses.asdict(r) for r in history],
+            "allreduce_payload_bytes": payload_bytes(config),  # per device per step, what crosses devices
         }
         (out / "history.json").write_text(json.dumps(record, indent=2) + "\n")
         title = f"{args.model}, {args.allreduce}, {len(devices)} device(s), batch {args.batch_size}, lr {args.lr}"

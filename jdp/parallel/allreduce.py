@@ -58,11 +58,17 @@ class Allreduce(NamedTuple):
         called between mapped functions on global arrays of shape (k, ...) with slice i on device i,
         moving buffers with `jax.device_put`.
       where: "inside" or "outside".
+      init: None for a stateless strategy. A stateful one (PowerSGD's error feedback, see
+        `jdp.parallel.compress`) keeps state on each device between steps: `init(key, grads)` builds one
+        device's initial state from a gradient-shaped tree, and `fn` takes and returns it:
+        `fn(tree, state, axis_name) -> (tree, state)` inside, `fn(tree, state) -> (tree, state)`
+        outside, there with every state leaf of shape (k, ...), slice i on device i.
     """
 
     name: str
     fn: Callable[..., PyTree]
     where: Literal["inside", "outside"] = "inside"
+    init: Callable[[jax.Array, PyTree], PyTree] | None = None
 
 
 # --- inside the mapped step: collectives over the device axis -------------------------------
@@ -73,7 +79,7 @@ def psum(tree: PyTree, axis_name: str) -> PyTree:
     return lax.psum(tree, axis_name)  # one all-reduce per leaf (XLA may combine them)
 
 
-def ring(tree: PyTree, axis_name: str) -> PyTree:
+def ring(tree: PyTree, axis_name: str, wire: jnp.dtype | None = None) -> PyTree:
     """Ring allreduce from `lax.ppermute`: reduce-scatter, then all-gather, k−1 steps each.
 
     Each buffer is cut into k chunks. In reduce-scatter step s, device i passes chunk (i−s) mod k
@@ -81,28 +87,37 @@ def ring(tree: PyTree, axis_name: str) -> PyTree:
     holds the full sum of chunk i+1. All-gather then passes the finished chunks round the ring.
     Every device sends and receives 2(k−1)/k·N bytes, the minimum for any allreduce, and every
     link carries traffic at every step (Patarasuk & Yuan 2009).
+
+    With `wire` (e.g. bfloat16) every chunk is sent in that dtype but added in the buffer's own
+    dtype at every hop: low-precision traffic without low-precision sums (`--compress bf16-wire`).
     """
-    return jax.tree.map(partial(_ring_sum, axis_name=axis_name), tree)
+    return jax.tree.map(partial(_ring_sum, axis_name=axis_name, wire=wire), tree)
 
 
-def _ring_sum(x: jax.Array, axis_name: str) -> jax.Array:
+def _ring_sum(x: jax.Array, axis_name: str, wire: jnp.dtype | None = None) -> jax.Array:
     k = lax.axis_size(axis_name)
     if k == 1 or x.size == 0:
         return x
     i = lax.axis_index(axis_name)
     chunks = _pad(x.ravel(), k).reshape(k, -1)
     right = [(j, (j + 1) % k) for j in range(k)]
+    on_wire = (lambda c: c) if wire is None else (lambda c: c.astype(wire).astype(x.dtype))
+
+    def send(row):  # one hop to the right neighbour, in the wire dtype if any
+        sent = row if wire is None else row.astype(wire)
+        return lax.ppermute(sent, axis_name, right).astype(x.dtype)
 
     def reduce_scatter_step(s, chunks):
-        received = lax.ppermute(_row(chunks, (i - s) % k), axis_name, right)  # chunk i−s → device i+1
+        received = send(_row(chunks, (i - s) % k))  # chunk i−s → device i+1
         target = (i - 1 - s) % k
         return _set_row(chunks, target, _row(chunks, target) + received)
 
     def all_gather_step(s, chunks):  # pass the finished chunks on, overwriting
-        received = lax.ppermute(_row(chunks, (i + 1 - s) % k), axis_name, right)
+        received = send(_row(chunks, (i + 1 - s) % k))
         return _set_row(chunks, (i - s) % k, received)
 
     chunks = lax.fori_loop(0, k - 1, reduce_scatter_step, chunks)
+    chunks = on_wire(chunks)  # the finished chunk rounded as it will be sent: the same bits on every device
     chunks = lax.fori_loop(0, k - 1, all_gather_step, chunks)
     return chunks.ravel()[: x.size].reshape(x.shape)
 

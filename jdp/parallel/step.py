@@ -8,6 +8,7 @@ Two backends map that program over the devices, of one process or several (see `
 """
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import jax
@@ -36,6 +37,7 @@ def make_train_step(
     backend: Backend = "pmap",
     *,
     stateful: bool = False,
+    segment: Callable[[str, Callable], Callable] = lambda name, fn: fn,
 ) -> TrainStep:
     """Builds the data-parallel train step, mapped once over `devices` by `backend`.
 
@@ -58,6 +60,12 @@ def make_train_step(
       backend: "pmap" or "shard_map".
       stateful: the step's first argument is {"params", "state"} (see `jdp.Model`): only "params"
         is differentiated and updated, "state" is replaced by the loss's new state.
+      segment: `segment(kind, fn) -> fn` wraps each of an "outside" strategy's three calls, kind
+        "compute" or "communication" (e.g. to time them, `jdp.training.profile.Profiler.segment`).
+
+    A stateful strategy (`allreduce.init`, e.g. PowerSGD's error feedback) keeps its per-device state
+    in the step's opt_state: `{"optimizer": <the optimizer's state>, "allreduce": <its state>}`, the
+    latter with leaves (k, ...), slice i on device i (`jdp.parallel.compress.init_state`), `pmap` only.
 
     Returns:
       step(params, opt_state, images, labels) -> (params, opt_state, losses): inputs placed with
@@ -75,6 +83,11 @@ def make_train_step(
             f"`--allreduce {allreduce.name}` copies buffers between devices with `jax.device_put`, which only "
             f"reaches this process's devices, but the step spans {jax.process_count()} processes. "
             f"Use a collective strategy instead: {inside}."
+        )
+    if allreduce.init is not None and backend != "pmap":
+        raise ConfigError(
+            f"`{allreduce.name}` keeps different state on each device, which `--backend {backend}` cannot hold in "
+            "its replicated `P()` layout. Use `--backend pmap`."
         )
     k = len(devices)
 
@@ -95,12 +108,12 @@ def make_train_step(
 
     def local_step(variables, opt_state, images, labels):
         loss, grads, state = local_grads(variables, images, labels)
-        grads = allreduce.fn(grads, AXIS)  # the one reduction over the devices
+        grads, opt_state, kept = _reduce(allreduce, grads, opt_state, AXIS)  # the one reduction over the devices
         variables, opt_state = update(variables, opt_state, grads, state, images.shape[0])
-        return variables, opt_state, loss
+        return variables, _with_kept(opt_state, kept), loss
 
     if backend == "shard_map":
-        return _shard_map_step(local_step, local_grads, update, allreduce, devices)
+        return _shard_map_step(local_step, local_grads, update, allreduce, devices, segment)
     if allreduce.where == "inside":
         return jax.pmap(local_step, axis_name=AXIS, devices=devices, donate_argnums=(0, 1))
     p_grads = jax.pmap(local_grads, axis_name=AXIS, devices=devices)
@@ -108,23 +121,38 @@ def make_train_step(
         lambda v, o, g, s, x: update(v, o, g, s, x.shape[0]),
         axis_name=AXIS, devices=devices, donate_argnums=(0, 1),
     )
-    return _outside_step(p_grads, allreduce, p_update)
+    return _outside_step(p_grads, allreduce, p_update, segment)
 
 
-def _outside_step(grads_fn, allreduce: Allreduce, update_fn) -> TrainStep:
+def _outside_step(grads_fn, allreduce: Allreduce, update_fn, segment) -> TrainStep:
     """The step of an "outside" strategy: three calls, with the allreduce's transfers between them."""
+    grads_fn, update_fn = segment("compute", grads_fn), segment("compute", update_fn)
+    reduce_grads = segment("communication", partial(_reduce, allreduce))
 
     def step(variables, opt_state, images, labels):
         loss, grads, state = grads_fn(variables, images, labels)  # per-device gradients leave the device step
-        grads = allreduce.fn(grads)  # explicit transfers between devices
+        grads, opt_state, kept = reduce_grads(grads, opt_state)  # explicit transfers between devices
         variables, opt_state = update_fn(variables, opt_state, grads, state, images)
-        return variables, opt_state, loss
+        return variables, _with_kept(opt_state, kept), loss
 
     return step
 
 
+def _reduce(allreduce: Allreduce, grads: PyTree, opt_state: PyTree, *axis: str) -> tuple[PyTree, PyTree, PyTree]:
+    """(the summed gradients, the optimizer's state, the strategy's new state or None if it keeps none)."""
+    if allreduce.init is None:
+        return allreduce.fn(grads, *axis), opt_state, None
+    grads, kept = allreduce.fn(grads, opt_state["allreduce"], *axis)
+    return grads, opt_state["optimizer"], kept
+
+
+def _with_kept(opt_state: PyTree, kept: PyTree) -> PyTree:
+    """The step's opt_state: the optimizer's, with a stateful strategy's state beside it."""
+    return opt_state if kept is None else {"optimizer": opt_state, "allreduce": kept}
+
+
 def _shard_map_step(local_step, local_grads, update, allreduce: Allreduce,
-                    devices: Sequence[jax.Device]) -> TrainStep:
+                    devices: Sequence[jax.Device], segment) -> TrainStep:
     """The step as `jit(shard_map(...))`: params `P()`, batch `P('data')`.
 
     The double count. Inside `shard_map` with `check_vma=True`, params specified `P()` are typed
@@ -170,4 +198,4 @@ def _shard_map_step(local_step, local_grads, update, allreduce: Allreduce,
         shard_map(local_update, (replicated, replicated, batch, replicated, batch), (replicated, replicated)),
         donate_argnums=(0, 1),
     )
-    return _outside_step(s_grads, allreduce, s_update)
+    return _outside_step(s_grads, allreduce, s_update, segment)

@@ -35,12 +35,15 @@ class Keeper:
       watch: the guards to run after every call (see `jdp.training.guards.Watch`).
       host_copy: replicated device arrays -> this process's host copy (e.g. `jdp.unreplicate`).
       data_key: the key data of the run's data-order PRNG key (saved with every checkpoint).
+      opt_state_copy: the optimizer state's host copy, if not `host_copy` (per-device parts in it).
     """
 
     def __init__(self, directory: str | os.PathLike | None, every: int | None, run: dict[str, Any] | None,
-                 steps_per_epoch: int, watch: Any, host_copy: Any, data_key: np.ndarray) -> None:
+                 steps_per_epoch: int, watch: Any, host_copy: Any, data_key: np.ndarray,
+                 opt_state_copy: Any = None) -> None:
         self.directory, self.every, self.run, self.data_key = directory, every, run, data_key
         self.steps_per_epoch, self.watch, self._host_copy = steps_per_epoch, watch, host_copy
+        self._opt_state_copy = host_copy if opt_state_copy is None else opt_state_copy
         self.step, self.epoch, self.batches_done = 0, 1, 0
         self.history: list[dict[str, Any]] = []
         self._loss_sum, self._losses = np.float32(0.0), []
@@ -105,7 +108,7 @@ class Keeper:
             return
         self.watch.flush()  # never save a non-finite value
         params, opt_state = state
-        arrays = {"params": self._host_copy(params), "opt_state": self._host_copy(opt_state),
+        arrays = {"params": self._host_copy(params), "opt_state": self._opt_state_copy(opt_state),
                   "data_key": self.data_key}
         info = {
             "position": {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,

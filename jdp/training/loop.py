@@ -18,15 +18,16 @@ from jdp import models
 from jdp.data import Dataset
 from jdp.errors import ConfigError, check_positive
 from jdp.models import Model
-from jdp.parallel import allreduce as allreduce_lib
+from jdp.parallel import compress as compress_lib
 from jdp.parallel.allreduce import Allreduce
-from jdp.parallel.layout import check_backend, check_divisible, replicate, unreplicate
+from jdp.parallel.layout import check_backend, check_divisible, replicate, to_host, unreplicate
 from jdp.parallel.step import make_train_step
 from jdp.runtime.devices import AXIS
 from jdp.training import checkpoint, guards
 from jdp.training.evaluate import make_evaluator
 from jdp.training.feeders import make_epoch_runner
 from jdp.training.keeper import Keeper
+from jdp.training.profile import Profiler, check_window
 from jdp.training.resume import describe_run
 
 PyTree = Any
@@ -50,6 +51,8 @@ class TrainConfig:
     batchnorm: str | None = None  # for models with BatchNorm: "sync" (default) or "per-replica" (jdp.models)
     steps_per_call: int = 1  # train steps per compiled call (unrolled); > 1 needs a collective strategy
     backend: str = "pmap"  # "pmap" or "shard_map": how the step is mapped over the devices (jdp.parallel.step)
+    compress: str = "none"  # a mode of jdp.parallel.compress.MODES: none, bf16, fp16, bf16-wire, fp16-wire, powersgd
+    powersgd_rank: int | None = None  # with compress "powersgd": the rank of its factors; None: 1
 
     def validate(self) -> None:
         """Raises ConfigError naming the first bad field."""
@@ -79,8 +82,9 @@ class TrainConfig:
         return models.get(self.model, impl=self.model_impl, batchnorm=self.batchnorm)
 
     def strategy(self) -> Allreduce:
-        """The allreduce strategy, fused if asked."""
-        return allreduce_lib.get(self.allreduce, fuse=self.fuse, bucket_mb=self.bucket_mb)
+        """The allreduce strategy, fused and compressed if asked."""
+        return compress_lib.get(self.allreduce, fuse=self.fuse, bucket_mb=self.bucket_mb, compress=self.compress,
+                                rank=self.powersgd_rank)
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as JSON values: a `Model` or `Allreduce` object is recorded by its name."""
@@ -123,6 +127,7 @@ def train(
     checkpoint_every: int | None = None,
     resume: bool = False,
     check_replicas: int | None = None,
+    profile: Profiler | None = None,
 ) -> tuple[PyTree, list[EpochRecord]]:
     """Trains `config.model` (the lesson's LeNet by default, or your own `Model`) data-parallel on `devices`.
 
@@ -136,6 +141,7 @@ def train(
       checkpoint_every: save every this many steps; None: at the end of every epoch.
       resume: continue from the newest intact checkpoint in `checkpoint_dir`, if any.
       check_replicas: every this many steps, stop unless all replicas are bit-identical.
+      profile: traces its steps and measures their breakdown (`profile.breakdown` after the run).
 
     Returns:
       (params, history): the first replica's params and one record per epoch (with a resumed
@@ -155,28 +161,44 @@ def train(
     model = config.build_model()
     params = model.init(init_key)
     steps_per_epoch = len(dataset.train.labels) // config.batch_size
+    if profile is not None:
+        check_window(profile.first, profile.last, steps_per_epoch * config.epochs)
+    strategy = config.strategy()
     keeper = Keeper(
         checkpoint_dir, checkpoint_every,
         describe_run(config.to_dict(), dataset, len(devices)) if checkpoint_dir is not None else None,
-        steps_per_epoch, guards.Watch(params, check_replicas, same=_same_on_every_device(model)),
+        steps_per_epoch, guards.Watch(params, check_replicas, same=_same_on_every_device(model),
+                                      same_opt_state=_optimizer_part(strategy)),
         lambda tree: unreplicate(tree, config.backend), jax.random.key_data(data_key),
+        opt_state_copy=_opt_state_copy(strategy, config.backend),
     )
-    arrays = {"params": params, "opt_state": optimizer.init(models.trainable(model, params)), "data_key": keeper.data_key}
+    opt_state = _with_allreduce_state(strategy, optimizer.init(models.trainable(model, params)),
+                                      jax.random.fold_in(init_key, 1), models.trainable(model, params), len(devices))
+    arrays = {"params": params, "opt_state": opt_state, "data_key": keeper.data_key}
     if resume:
         arrays = keeper.resume(arrays, config.epochs)
     data_key = jax.random.wrap_key_data(arrays["data_key"])
-    state = tuple(replicate(arrays[t], devices, config.backend) for t in ("params", "opt_state"))
-    strategy = config.strategy()
-    step = make_train_step(model.loss, optimizer, strategy, devices, backend=config.backend, stateful=model.stateful)
+    state = (replicate(arrays["params"], devices, config.backend),
+             _place_opt_state(strategy, arrays["opt_state"], devices, config.backend))
+    step = make_train_step(model.loss, optimizer, strategy, devices, backend=config.backend, stateful=model.stateful,
+                           **({} if profile is None else {"segment": profile.segment}))
     evaluate = make_evaluator(model.apply, devices, on_all_devices=config.eval_on == "all", backend=config.backend)
     if model.per_replica_state:  # one set of statistics before evaluating and saving (see jdp.models)
         average = jax.pmap(models.average_state, axis_name=AXIS, devices=devices, donate_argnums=0)
     run_epoch = make_epoch_runner(step, dataset.train, devices, config.batch_size, config.backend,
                                   steps_per_call=config.steps_per_call, traceable=strategy.where == "inside")
+    after_call = keeper.after_call
+    if profile is not None:
+        profile.at(keeper.step, state)
+
+        def after_call(steps, state, losses):
+            keeper.after_call(steps, state, losses)
+            profile.at(keeper.step, state)
+
     for epoch in range(keeper.epoch, config.epochs + 1):
         start = time.perf_counter()
         state, _ = run_epoch(state, jax.random.fold_in(data_key, epoch), progress,
-                             start=keeper.batches_done, after_call=keeper.after_call)
+                             start=keeper.batches_done, after_call=after_call)
         seconds = time.perf_counter() - start
         if model.per_replica_state:
             state = (average(state[0]), state[1])
@@ -191,12 +213,58 @@ def train(
     return unreplicate(state[0], config.backend), [EpochRecord(**r) for r in keeper.history]
 
 
-def checkpoint_target(config: TrainConfig) -> PyTree:
-    """The structure, shapes and dtypes of the arrays `train` checkpoints, e.g. for `jdp.training.checkpoint.load`."""
+def payload_bytes(config: TrainConfig) -> int:
+    """Bytes each device hands to the allreduce per step: the gradients, or what `config.compress` sends instead."""
+    model = config.build_model()
+    grads = jax.eval_shape(lambda: models.trainable(model, model.init(jax.random.key(0))))
+    return compress_lib.payload_bytes(grads, config.compress, config.powersgd_rank)
+
+
+def checkpoint_target(config: TrainConfig, device_count: int = 1) -> PyTree:
+    """The structure, shapes and dtypes of the arrays `train` checkpoints, e.g. for `jdp.training.checkpoint.load`.
+
+    `device_count` matters only to a stateful strategy (PowerSGD), whose state is saved per device.
+    """
     model = config.build_model()
     params = model.init(jax.random.key(0))
-    return {"params": params, "opt_state": optax.sgd(learning_rate(config)).init(models.trainable(model, params)),
-            "data_key": jax.random.key_data(jax.random.key(0))}
+    trainable = models.trainable(model, params)
+    opt_state = _with_allreduce_state(config.strategy(), optax.sgd(learning_rate(config)).init(trainable),
+                                      jax.random.key(0), trainable, device_count)
+    return {"params": params, "opt_state": opt_state, "data_key": jax.random.key_data(jax.random.key(0))}
+
+
+# A stateful strategy's state (PowerSGD's error feedback) rides in opt_state beside the optimizer's
+# (see `jdp.make_train_step`); it differs between devices, so it is placed, saved and checked apart.
+
+
+def _with_allreduce_state(strategy: Allreduce, opt_state: PyTree, key: jax.Array, trainable: PyTree,
+                          device_count: int) -> PyTree:
+    """The host opt_state the step starts from: the optimizer's, with the strategy's state for every device."""
+    if strategy.init is None:
+        return opt_state
+    return {"optimizer": opt_state, "allreduce": compress_lib.init_state(strategy, key, trainable, device_count)}
+
+
+def _place_opt_state(strategy: Allreduce, opt_state: PyTree, devices: Sequence[jax.Device], backend: str) -> PyTree:
+    if strategy.init is None:
+        return replicate(opt_state, devices, backend)
+    return {"optimizer": replicate(opt_state["optimizer"], devices, backend),
+            "allreduce": compress_lib.place_state(opt_state["allreduce"], devices)}
+
+
+def _opt_state_copy(strategy: Allreduce, backend: str) -> Callable[[PyTree], PyTree]:
+    """What a checkpoint saves of opt_state: one copy of the optimizer's state, every device's strategy state."""
+    if strategy.init is None:
+        return lambda opt_state: unreplicate(opt_state, backend)
+    return lambda opt_state: {"optimizer": unreplicate(opt_state["optimizer"], backend),
+                              "allreduce": jax.tree.map(to_host, opt_state["allreduce"])}
+
+
+def _optimizer_part(strategy: Allreduce) -> Callable[[PyTree], PyTree]:
+    """What the replica check compares of opt_state: all but a stateful strategy's per-device state."""
+    if strategy.init is None:
+        return lambda opt_state: opt_state
+    return lambda opt_state: opt_state["optimizer"]
 
 
 def _name(choice: str | Model | Allreduce) -> str:

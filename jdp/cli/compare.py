@@ -1,0 +1,97 @@
+"""`jdp compare RUN_DIR...`: several runs' history.json side by side, one figure and one table.
+
+The everyday "psum vs manual vs compressed" view. Each run is labelled by the settings in which the
+runs' configs differ (e.g. `compress=powersgd powersgd_rank=2`), not by where it was written.
+"""
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jdp import plot
+from jdp.cli.flags import check_out_dir
+from jdp.errors import ConfigError
+
+# Settings that say where or how a run was recorded, not what it computed: never a label.
+NOT_A_DIFFERENCE = ("out", "no_progress", "checkpoint_dir", "checkpoint_every", "resume", "check_replicas",
+                    "profile", "profile_steps")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Adds `compare` to the `jdp` subcommands."""
+    p = commands.add_parser(
+        "compare", help="put several runs' history.json side by side: one figure, one markdown table",
+        description="Read RUN_DIR/history.json of each run (written by `jdp train --out RUN_DIR`) and write "
+        "compare.png (test accuracy and train loss per epoch, one curve per run) and compare.md, labelling each "
+        "run by the settings in which the runs differ.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="directories written by `jdp train --out`")
+    p.add_argument("--out", default=".", metavar="DIR", help="where to write compare.png and compare.md")
+    p.set_defaults(run=run_compare)
+
+
+def load(run_dir: str | Path) -> dict[str, Any]:
+    """RUN_DIR/history.json.
+
+    Raises:
+      ConfigError: if it is missing or not a `jdp train` history.
+    """
+    path = Path(run_dir) / "history.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"`{run_dir}` has no readable history.json ({e}); pass directories written by "
+                          "`jdp train --out`.") from None
+    if not isinstance(record, dict) or not {"config", "epochs"} <= record.keys():
+        raise ConfigError(f"`{path}` is not a `jdp train` history (no config and epochs); pass directories "
+                          "written by `jdp train --out`.")
+    return record
+
+
+def labels(records: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Run dir -> the settings in which its config differs from the others' ("name=value ..."), or its dir."""
+    configs = {run: record["config"] for run, record in records.items()}
+    keys = sorted({k for c in configs.values() for k in c} - set(NOT_A_DIFFERENCE))
+    differ = [k for k in keys if len({json.dumps(c.get(k)) for c in configs.values()}) > 1]
+    named = {run: " ".join(f"{k}={c.get(k)}" for k in differ if c.get(k) is not None) or Path(run).name
+             for run, c in configs.items()}
+    if len(set(named.values())) < len(named):  # same settings (e.g. repeats): add the directory
+        named = {run: f"{label} ({Path(run).name})" for run, label in named.items()}
+    return named
+
+
+def table(records: dict[str, dict[str, Any]], names: dict[str, str]) -> str:
+    """A markdown table: final and best test accuracy, final train loss, s/epoch, bytes per step if recorded."""
+    rows = ["| run | epochs | final test acc | best test acc | final train loss | s/epoch | allreduce bytes/step |",
+            "|---|---|---|---|---|---|---|"]
+    for run, record in records.items():
+        epochs = record["epochs"]
+        sent = record.get("allreduce_payload_bytes")
+        rows.append(f"| {names[run]} | {len(epochs)} | {epochs[-1]['test_acc']:.4f} | "
+                    f"{max(e['test_acc'] for e in epochs):.4f} | {epochs[-1]['train_loss']:.4f} | "
+                    f"{sum(e['seconds'] for e in epochs) / len(epochs):.1f} | {'' if sent is None else sent} |")
+    return "\n".join(rows) + "\n"
+
+
+def compare(run_dirs: Sequence[str | Path]) -> tuple[Any, str]:
+    """(figure, markdown table) of the runs in `run_dirs`."""
+    records = {str(run): load(run) for run in run_dirs}
+    names = labels(records)
+    figure = plot.runs_per_epoch(
+        {names[r]: [e["test_acc"] for e in rec["epochs"]] for r, rec in records.items()},
+        {names[r]: [e["train_loss"] for e in rec["epochs"]] for r, rec in records.items()},
+        title=f"{len(records)} runs; labelled by the settings that differ",
+    )
+    return figure, table(records, names)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    figure, text = compare(args.runs)
+    out = check_out_dir(args.out)
+    plot.save(figure, out / "compare.png")
+    (out / "compare.md").write_text(text)
+    print(text, end="")
+    print(f"wrote {out / 'compare.png'} and {out / 'compare.md'}")
+    return 0

@@ -1,0 +1,230 @@
+"""Compressed allreduce: strategy wrappers that send fewer bytes (`jdp train --compress`).
+
+Like `fused`, each wrapper takes any strategy (inside or outside, fused or not) and returns one,
+so compression composes with every algorithm; the wrapped strategy does all the communication.
+
+* ``bf16`` / ``fp16``: cast every leaf before the allreduce, cast the sum back (PyTorch DDP's
+  `fp16_compress_hook`). Half the bytes; every addition of the sum rounds to the low dtype.
+* ``bf16-wire`` / ``fp16-wire``: jdp's `ring`, sending every chunk in the low dtype but adding in
+  float32 at every hop. The same bytes as ``bf16``, one rounding per hop instead of a sum that
+  is rounded after every addition: the difference is the cost of low-precision *sums*.
+* ``powersgd``: rank-r PowerSGD with error feedback (Vogels, Karimireddy & Jaggi, NeurIPS 2019).
+  Each matrix-shaped gradient M (conv kernels as (out, in·h·w)) is sent as two thin factors,
+  P = M·Q (n×r) and Q = Mᵀ·P̂ (m×r), instead of n×m values; leaves that would not shrink
+  (biases) are sent as they are. What compression loses on a device is kept there, in its error
+  state, and added to the next step's gradient, so nothing is lost for good: the sum of the
+  applied updates tracks the sum of the true gradients.
+
+Every device ends the step with the same sum, bit for bit: everything a device computes after an
+allreduce depends only on allreduced values (P̂ from ΣP, the result from P̂ and ΣQ); only the
+error state, which never leaves its device, differs between devices.
+
+References:
+  Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
+  Distributed Optimization", NeurIPS 2019.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jdp.errors import ConfigError, check_positive
+from jdp.parallel import allreduce as allreduce_lib
+from jdp.parallel.allreduce import Allreduce
+from jdp.parallel.layout import sharded
+
+PyTree = Any
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+MODES = ("none", "bf16", "fp16", "bf16-wire", "fp16-wire", "powersgd")
+
+
+def low_precision(strategy: Allreduce, dtype: jnp.dtype) -> Allreduce:
+    """Wraps `strategy` to allreduce every leaf in `dtype` and cast the sum back to the leaf's dtype."""
+    name = f"{strategy.name}+{jnp.dtype(dtype).name}"
+
+    def down(tree):
+        # The barrier keeps the rounding: XLA's CPU all-reduce adds bf16 in float32, and with its
+        # performance flags XLA then drops the convert pair around it, so psum would round nothing.
+        return lax.optimization_barrier(jax.tree.map(lambda x: x.astype(dtype), tree))
+
+    def up(sums, tree):
+        return jax.tree.map(lambda s, x: s.astype(x.dtype), sums, tree)
+
+    if strategy.where == "inside":
+        return Allreduce(name, lambda tree, axis_name: up(strategy.fn(down(tree), axis_name), tree))
+    down_on_devices = jax.jit(down)  # one dispatch; each slice is cast on its own device
+    return Allreduce(name, lambda tree: up(strategy.fn(down_on_devices(tree)), tree), "outside")
+
+
+# --- PowerSGD ---------------------------------------------------------------------------------
+
+
+def compressible(shape: Sequence[int], rank: int) -> bool:
+    """Whether a leaf of `shape` is sent as rank-`rank` factors: a matrix whose factors are smaller."""
+    if len(shape) < 2:
+        return False
+    n, m = shape[0], int(np.prod(shape[1:]))
+    return rank * (n + m) < n * m
+
+
+def powersgd(strategy: Allreduce, rank: int = 1) -> Allreduce:
+    """Wraps `strategy` as rank-`rank` PowerSGD with error feedback: a stateful strategy.
+
+    One device's state is {"error": (E, ...), "q": (Q, ...)}, one entry per compressed leaf in
+    `jax.tree.leaves` order: E (n×m) what compression left out of this device's gradient so far,
+    Q (m×r) the last step's summed Q, the warm start of this step's power iteration (one step of
+    subspace iteration per training step, as in the paper).
+
+    Per device i, for each compressed leaf: M_i = G_i + E_i; P = Σ_i M_i·Q (allreduced, with the
+    uncompressed leaves in the same call); P̂ = an orthonormal basis of P's columns (QR);
+    Q = Σ_i M_iᵀ·P̂ (allreduced); the sum is P̂·Qᵀ = P̂P̂ᵀ·ΣM_i, exact when rank ≥ rank(ΣM_i);
+    E_i ← M_i − P̂·(M_iᵀP̂)ᵀ, so Σ_i E_i is exactly what the sum left out.
+
+    Args:
+      strategy: allreduces P, Q and the uncompressed leaves (any strategy, fused or not).
+      rank: r, the number of columns of P and Q.
+
+    Raises:
+      ConfigError: if `rank` is not positive.
+    """
+    check_positive("--powersgd-rank", rank)
+
+    def init(key: jax.Array, grads: PyTree) -> PyTree:
+        big = [x for x in jax.tree.leaves(grads) if compressible(x.shape, rank)]
+        keys = jax.random.split(key, max(len(big), 1))
+        return {"error": tuple(jnp.zeros(_matrix(x.shape), x.dtype) for x in big),
+                "q": tuple(jax.random.normal(k, (_matrix(x.shape)[1], rank), x.dtype) for k, x in zip(keys, big))}
+
+    name = f"{strategy.name}+powersgd{rank}"
+    if strategy.where == "inside":
+        return Allreduce(name, lambda tree, state, axis_name: _powersgd_step(
+            tree, state, rank, lambda t: strategy.fn(t, axis_name), lambda f: f, lead=0), init=init)
+    return Allreduce(name, lambda tree, state: _powersgd_step(tree, state, rank, strategy.fn, _per_device, lead=1),
+                     "outside", init)
+
+
+def _powersgd_step(tree: PyTree, state: PyTree, rank: int, reduce: Callable[[PyTree], PyTree],
+                   local: Callable[[Callable], Callable], lead: int) -> tuple[PyTree, PyTree]:
+    """One PowerSGD allreduce: two calls of `reduce`, the math between them per device.
+
+    `local(f)` makes a function of one device's arrays run on what `reduce` takes: itself inside
+    the mapped step (`lead` 0), `_per_device(f)` on (k, ...) global arrays outside it (`lead` 1).
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    big = [i for i, x in enumerate(leaves) if compressible(x.shape[lead:], rank)]
+    small = [leaves[i] for i in range(len(leaves)) if i not in big]
+    ms, ps = local(_project)(tuple(leaves[i] for i in big), state["error"], state["q"])
+    ps, small = reduce((ps, small))  # ΣP and the uncompressed leaves, in one call
+    p_hats, qs = local(_back_project)(ms, ps)
+    q_sums = reduce(qs)  # ΣQ
+    sums, errors = local(_decompress)(ms, p_hats, qs, q_sums)
+    out = dict(zip(big, sums)) | dict(zip([i for i in range(len(leaves)) if i not in big], small))
+    leaves = [out[i].reshape(x.shape) for i, x in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, leaves), {"error": errors, "q": q_sums}
+
+
+def _project(grads, errors, qs):
+    """M = G + E (as matrices), and this device's P = M·Q."""
+    ms = tuple(g.reshape(e.shape) + e for g, e in zip(grads, errors))
+    return ms, tuple(m @ q for m, q in zip(ms, qs))
+
+
+def _back_project(ms, p_sums):
+    """P̂ = orthonormal columns spanning ΣP (the same on every device), and this device's Q = Mᵀ·P̂."""
+    p_hats = tuple(jnp.linalg.qr(p)[0] for p in p_sums)
+    return p_hats, tuple(m.T @ p for m, p in zip(ms, p_hats))
+
+
+def _decompress(ms, p_hats, qs, q_sums):
+    """The sum P̂·(ΣQ)ᵀ, and the new error M − P̂·Qᵀ: what this device's share of the sum left out."""
+    return (tuple(p @ q.T for p, q in zip(p_hats, q_sums)),
+            tuple(m - p @ q.T for m, p, q in zip(ms, p_hats, qs)))
+
+
+def _per_device(fn: Callable) -> Callable:
+    """`fn` of one device's arrays, run on (k, ...) global arrays: batched over the device axis, so
+    each device computes on its own slice (no communication)."""
+    return jax.jit(jax.vmap(fn))
+
+
+def _matrix(shape: Sequence[int]) -> tuple[int, int]:
+    return shape[0], int(np.prod(shape[1:]))
+
+
+# --- choosing and measuring ------------------------------------------------------------------
+
+
+def get(name: str | Allreduce, *, fuse: bool = False, bucket_mb: float | None = None, compress: str = "none",
+        rank: int | None = None) -> Allreduce:
+    """The strategy `name`, fused if asked (`allreduce.get`), then compressed by `compress`.
+
+    `rank` is PowerSGD's (None: 1); other modes refuse one, as `--bucket-mb` without `--fuse` is refused.
+
+    Raises:
+      ConfigError: for an unknown mode, a `-wire` mode on another strategy than ring, or a bad rank.
+    """
+    if compress not in MODES:
+        raise ConfigError(f"`--compress {compress}` is not a mode; choose one of: {', '.join(MODES)}.")
+    if compress != "powersgd" and rank is not None:
+        raise ConfigError(f"`--powersgd-rank {rank}` applies to `--compress powersgd` only; add `--compress powersgd` "
+                          "or drop `--powersgd-rank`.")
+    if compress.endswith("-wire"):
+        if allreduce_lib.get(name).fn is not allreduce_lib.ring:
+            raise ConfigError(
+                f"`--compress {compress}` sends low precision and adds in float32 at each hop of jdp's ring; use "
+                f"`--allreduce ring`, or `--compress {compress[:4]}` to cast for any strategy."
+            )
+        dtype = DTYPES[compress[:4]]
+        wire = Allreduce(f"ring+{jnp.dtype(dtype).name}-wire",
+                         lambda tree, axis_name: allreduce_lib.ring(tree, axis_name, wire=dtype))
+        return allreduce_lib.get(wire, fuse=fuse, bucket_mb=bucket_mb)
+    strategy = allreduce_lib.get(name, fuse=fuse, bucket_mb=bucket_mb)
+    if compress == "none":
+        return strategy
+    if compress == "powersgd":
+        return powersgd(strategy, 1 if rank is None else rank)
+    return low_precision(strategy, DTYPES[compress])
+
+
+def payload_bytes(grads: PyTree, compress: str = "none", rank: int | None = None) -> int:
+    """Bytes one device hands to the allreduce per step under `compress`: the arrays that cross devices.
+
+    The wrapper is traced (`jax.eval_shape`, nothing runs) around a strategy that records what it
+    is given. How many times an algorithm moves those bytes is its own (ring: 2(k−1)/k of them).
+    A `-wire` mode sends the float32 buffer's chunks in its low dtype, so it counts as its cast.
+
+    Args:
+      grads: a gradient-shaped tree (arrays or `jax.ShapeDtypeStruct`s), one device's.
+      compress, rank: as for `get`.
+    """
+    sent: list[Any] = []
+
+    def record(tree, axis_name):
+        sent.extend(jax.tree.leaves(tree))
+        return tree
+
+    strategy = get(Allreduce("record", record), compress=compress.removesuffix("-wire"), rank=rank)
+    if strategy.init is None:
+        jax.eval_shape(lambda g: strategy.fn(g, "unused"), grads)
+    else:
+        jax.eval_shape(lambda g, s: strategy.fn(g, s, "unused"), grads, strategy.init(jax.random.key(0), grads))
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in sent)
+
+
+# --- the per-device state, in the train step's layout -----------------------------------------
+
+
+def init_state(strategy: Allreduce, key: jax.Array, grads: PyTree, k: int) -> PyTree:
+    """The state of a stateful strategy for `k` devices, on the host: each leaf (k, ...), all slices equal."""
+    one = jax.device_get(strategy.init(key, grads))
+    return jax.tree.map(lambda x: np.broadcast_to(x[None], (k, *x.shape)), one)
+
+
+def place_state(state: PyTree, devices: Sequence[jax.Device]) -> PyTree:
+    """Host leaves (k, ...) → global arrays with slice i on device i (every process passes all k)."""
+    return jax.tree.map(
+        lambda x: jax.make_array_from_callback(x.shape, sharded(devices), lambda index: np.asarray(x)[index]), state)
