@@ -11,6 +11,7 @@ from jdp.cli.flags import (
     OneLineErrorParser,
     add_backend_flag,
     add_device_flags,
+    add_optimizer_flags,
     check_out_dir,
     load_plugins,
     setup_devices,
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--check-replicas", type=int, default=None, metavar="N",
                        help="every N steps, stop unless all replicas are bit-identical")
     add_backend_flag(train)
+    add_optimizer_flags(train)
     train.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                        help="multi-process: address of process 0's coordination service (with --num-processes "
                        "and --process-id; none of the three inside a SLURM/MPI job: detected)")
@@ -112,7 +114,9 @@ def run_train(args: argparse.Namespace) -> int:
                          allreduce=args.allreduce, fuse=args.fuse, bucket_mb=args.bucket_mb,
                          seed=args.seed, eval_on=args.eval_on,
                          warmup_steps=args.warmup_steps, model=args.model, model_impl=args.model_impl, batchnorm=args.batchnorm,
-                         steps_per_call=args.steps_per_call, backend=args.backend)
+                         steps_per_call=args.steps_per_call, backend=args.backend,
+                         optimizer=args.optimizer, momentum=args.momentum, weight_decay=args.weight_decay,
+                         accumulate=args.accumulate, shard_optimizer=args.shard_optimizer)
     config.validate()
     out = check_out_dir(args.out)
     checkpoint.check_options(args.checkpoint_dir, args.checkpoint_every, args.resume)

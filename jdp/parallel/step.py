@@ -11,11 +11,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jdp.errors import ConfigError
+from jdp.errors import ConfigError, check_positive
 from jdp.parallel import allreduce as allreduce_lib
+from jdp.parallel import zero
 from jdp.parallel.allreduce import Allreduce
 from jdp.parallel.layout import Backend, check_backend
 from jdp.runtime.devices import AXIS, mesh
@@ -36,6 +39,8 @@ def make_train_step(
     backend: Backend = "pmap",
     *,
     stateful: bool = False,
+    accumulate: int = 1,
+    shard_optimizer: bool = False,
 ) -> TrainStep:
     """Builds the data-parallel train step, mapped once over `devices` by `backend`.
 
@@ -58,6 +63,11 @@ def make_train_step(
       backend: "pmap" or "shard_map".
       stateful: the step's first argument is {"params", "state"} (see `jdp.Model`): only "params"
         is differentiated and updated, "state" is replaced by the loss's new state.
+      accumulate: N micro-batches per device: each device's shard is cut into N equal parts whose
+        gradients are summed one after another (`accumulate_grads`) before the one allreduce.
+      shard_optimizer: ZeRO: reduce-scatter the gradients, update each device's 1/k slice with its
+        1/k of the optimizer state, all-gather the params (`jdp.parallel.zero`); opt_state is then
+        laid out by `jdp.parallel.zero.shard_state`.
 
     Returns:
       step(params, opt_state, images, labels) -> (params, opt_state, losses): inputs placed with
@@ -65,9 +75,12 @@ def make_train_step(
       params and opt_state are donated: do not reuse the arrays passed in.
 
     Raises:
-      ConfigError: for an unknown backend, or an "outside" strategy over devices of several processes.
+      ConfigError: for an unknown backend, an "outside" strategy over devices of several processes,
+        a shard that does not split into `accumulate` equal parts (when traced), or `shard_optimizer`
+        with a strategy that has no reduce-scatter.
     """
     check_backend(backend)
+    check_positive("--accumulate", accumulate)
     allreduce = allreduce_lib.get(allreduce)
     if allreduce.where == "outside" and any(d.process_index != jax.process_index() for d in devices):
         inside = ", ".join(allreduce_lib.names("inside"))
@@ -80,6 +93,11 @@ def make_train_step(
 
     def local_grads(variables, images, labels):
         """(loss, gradient sum over this device's shard, new model state or None)."""
+        if accumulate > 1:
+            return accumulate_grads(micro_grads, variables, images, labels, accumulate, stateful=stateful)
+        return micro_grads(variables, images, labels)
+
+    def micro_grads(variables, images, labels):
         if not stateful:
             return *jax.value_and_grad(loss_fn)(variables, images, labels), None
         (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
@@ -99,6 +117,8 @@ def make_train_step(
         variables, opt_state = update(variables, opt_state, grads, state, images.shape[0])
         return variables, opt_state, loss
 
+    if shard_optimizer:
+        return zero.make_step(local_grads, optimizer, allreduce, devices, backend, stateful)
     if backend == "shard_map":
         return _shard_map_step(local_step, local_grads, update, allreduce, devices)
     if allreduce.where == "inside":
@@ -109,6 +129,45 @@ def make_train_step(
         axis_name=AXIS, devices=devices, donate_argnums=(0, 1),
     )
     return _outside_step(p_grads, allreduce, p_update)
+
+
+def accumulate_grads(grads_fn: Callable, variables: PyTree, images: jax.Array, labels: jax.Array,
+                     micro_batches: int, *, stateful: bool = False) -> tuple[jax.Array, PyTree, PyTree]:
+    """Sums `grads_fn` over `micro_batches` equal parts of a device's shard, one part after another.
+
+    The loss is a sum, so the summed gradients of the parts are the gradient of the whole shard: the
+    allreduce and the update that follow are those of one step on the whole batch. The parts run in a
+    `lax.scan`, so only one part's activations are alive at a time. A stateful model's state (BatchNorm
+    statistics) is threaded from each part to the next, as N steps would thread it.
+
+    Args:
+      grads_fn: (variables, images, labels) -> (summed loss, gradients, new state or None).
+      variables: the params, or {"params", "state"} if `stateful`.
+      images, labels: this device's shard, n rows.
+      micro_batches: N, which must divide n.
+
+    Returns:
+      (loss summed over the shard, gradients summed over the shard, the last part's state or None).
+
+    Raises:
+      ConfigError: if n does not split into `micro_batches` equal parts.
+    """
+    n = images.shape[0]
+    if n % micro_batches:
+        raise ConfigError(
+            f"`--accumulate {micro_batches}` cuts each device's {n} rows into {micro_batches} equal micro-batches, "
+            f"which {n} does not allow: use a `--batch-size` that is a multiple of devices × {micro_batches}."
+        )
+    parts = jax.tree.map(lambda a: a.reshape(micro_batches, n // micro_batches, *a.shape[1:]), (images, labels))
+
+    loss, grads = jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, variables["params"] if stateful else variables)
+    for t in range(micro_batches):  # unrolled: XLA's CPU convolutions run 10x slower inside a loop (jdp.training.feeders)
+        part = jax.tree.map(lambda a: a[t], parts)
+        grads, part = lax.optimization_barrier((grads, part))  # part t is read only once part t−1's gradients exist
+        part_loss, part_grads, state = grads_fn(variables, *part)
+        loss, grads = loss + part_loss, jax.tree.map(jnp.add, grads, part_grads)  # 0 + g is g exactly
+        variables = {**variables, "state": state} if stateful else variables
+    return loss, grads, variables["state"] if stateful else None
 
 
 def _outside_step(grads_fn, allreduce: Allreduce, update_fn) -> TrainStep:

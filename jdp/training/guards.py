@@ -133,12 +133,15 @@ class Watch:
       check_replicas: compare all replicas every this many steps; None: never.
       lag: how many calls a finite check may stay unread.
       same: params -> the part of them every device must hold identically (default: all of them).
+      same_opt_state: the same for the optimizer state (a sharded one holds a different slice on
+        each device: only its scalars, such as AdamW's step count, are compared).
     """
 
     def __init__(self, params: PyTree, check_replicas: int | None = None, lag: int = 2,
-                 same: Callable[[PyTree], PyTree] = lambda params: params) -> None:
+                 same: Callable[[PyTree], PyTree] = lambda params: params,
+                 same_opt_state: Callable[[PyTree], PyTree] = lambda opt_state: opt_state) -> None:
         self._names = leaf_names(params)
-        self._same = same
+        self._same, self._same_opt_state = same, same_opt_state
         self._every = check_replicas
         self._lag = lag
         self._pending: deque[tuple[int, int, list[jax.Array]]] = deque()
@@ -156,7 +159,7 @@ class Watch:
             self._check(*self._pending.popleft())
         if self._every is not None and last // self._every > self._replicas_checked_at // self._every:
             self.flush()
-            check_replicas({"params": self._same(params), "opt_state": opt_state}, last)
+            check_replicas({"params": self._same(params), "opt_state": self._same_opt_state(opt_state)}, last)
             self._replicas_checked_at = last
 
     def flush(self) -> None:

@@ -9,7 +9,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -19,11 +19,12 @@ from jdp.data import Dataset
 from jdp.errors import ConfigError, check_positive
 from jdp.models import Model
 from jdp.parallel import allreduce as allreduce_lib
+from jdp.parallel import zero
 from jdp.parallel.allreduce import Allreduce
 from jdp.parallel.layout import check_backend, check_divisible, replicate, unreplicate
 from jdp.parallel.step import make_train_step
 from jdp.runtime.devices import AXIS
-from jdp.training import checkpoint, guards
+from jdp.training import checkpoint, guards, optimizers
 from jdp.training.evaluate import make_evaluator
 from jdp.training.feeders import make_epoch_runner
 from jdp.training.keeper import Keeper
@@ -50,10 +51,15 @@ class TrainConfig:
     batchnorm: str | None = None  # for models with BatchNorm: "sync" (default) or "per-replica" (jdp.models)
     steps_per_call: int = 1  # train steps per compiled call (unrolled); > 1 needs a collective strategy
     backend: str = "pmap"  # "pmap" or "shard_map": how the step is mapped over the devices (jdp.parallel.step)
+    optimizer: str = "sgd"  # "sgd" (the lesson's), "momentum" or "adamw" (jdp.training.optimizers)
+    momentum: float | None = None  # for "momentum": the trace's decay; None: 0.9
+    weight_decay: float | None = None  # sgd/momentum: L2 (None: none); adamw: decoupled (None: 1e-4)
+    accumulate: int = 1  # micro-batches per device per step, gradients summed before the one allreduce
+    shard_optimizer: bool = False  # ZeRO: optimizer state and reduced gradients split over the devices
 
     def validate(self) -> None:
         """Raises ConfigError naming the first bad field."""
-        for name in ("batch_size", "epochs", "steps_per_call"):
+        for name in ("batch_size", "epochs", "steps_per_call", "accumulate"):
             check_positive(f"--{name.replace('_', '-')}", getattr(self, name))
         if self.warmup_steps < 0:
             raise ConfigError(f"`--warmup-steps` must be >= 0, got {self.warmup_steps}.")
@@ -69,6 +75,17 @@ class TrainConfig:
             )
         self.strategy()
         check_backend(self.backend)
+        self.build_optimizer()
+        if self.shard_optimizer:
+            if self.fuse:
+                raise ConfigError("`--shard-optimizer` already ravels the gradients into one buffer per dtype; "
+                                  "drop `--fuse`/`--bucket-mb`.")
+            zero.get(self.allreduce if isinstance(self.allreduce, str) else self.allreduce.name)
+
+    def build_optimizer(self) -> optax.GradientTransformation:
+        """The optax optimizer of `optimizer`, `momentum`, `weight_decay`, on the lr schedule."""
+        return optimizers.make(self.optimizer, learning_rate(self), momentum=self.momentum,
+                               weight_decay=self.weight_decay)
 
     def build_model(self) -> Model:
         """`model` itself, or the registered model of that name built with `model_impl` and `batchnorm`."""
@@ -106,6 +123,11 @@ def learning_rate(config: TrainConfig) -> float | optax.Schedule:
 def check_fits(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device]) -> None:
     """Raises ConfigError if the batch cannot be split over `devices` or exceeds the train set."""
     check_divisible(config.batch_size, len(devices))
+    if config.batch_size % (len(devices) * config.accumulate):
+        raise ConfigError(
+            f"`--batch-size {config.batch_size}` does not split into {len(devices)} devices × `--accumulate "
+            f"{config.accumulate}` equal micro-batches; use a multiple of {len(devices) * config.accumulate}."
+        )
     if config.batch_size > len(dataset.train.labels):
         raise ConfigError(
             f"`--batch-size {config.batch_size}` exceeds the {len(dataset.train.labels)} training images."
@@ -151,23 +173,28 @@ def train(
     if check_replicas is not None:
         check_positive("--check-replicas", check_replicas, "number of steps")
     init_key, data_key = jax.random.split(jax.random.key(config.seed))
-    optimizer = optax.sgd(learning_rate(config))  # the lesson's SGD, on the full batch's mean gradient
+    optimizer = config.build_optimizer()  # the lesson's SGD by default, on the full batch's mean gradient
     model = config.build_model()
     params = model.init(init_key)
     steps_per_epoch = len(dataset.train.labels) // config.batch_size
+    layout = _opt_state_layout(config, optimizer, models.trainable(model, params), devices)
     keeper = Keeper(
         checkpoint_dir, checkpoint_every,
         describe_run(config.to_dict(), dataset, len(devices)) if checkpoint_dir is not None else None,
-        steps_per_epoch, guards.Watch(params, check_replicas, same=_same_on_every_device(model)),
+        steps_per_epoch, guards.Watch(params, check_replicas, same=_same_on_every_device(model),
+                                      same_opt_state=layout.same),
         lambda tree: unreplicate(tree, config.backend), jax.random.key_data(data_key),
+        opt_host_copy=layout.host_copy,
     )
-    arrays = {"params": params, "opt_state": optimizer.init(models.trainable(model, params)), "data_key": keeper.data_key}
+    opt_state = _initial_opt_state(config, optimizer, models.trainable(model, params))
+    arrays = {"params": params, "opt_state": opt_state, "data_key": keeper.data_key}
     if resume:
         arrays = keeper.resume(arrays, config.epochs)
     data_key = jax.random.wrap_key_data(arrays["data_key"])
-    state = tuple(replicate(arrays[t], devices, config.backend) for t in ("params", "opt_state"))
+    state = replicate(arrays["params"], devices, config.backend), layout.place(arrays["opt_state"])
     strategy = config.strategy()
-    step = make_train_step(model.loss, optimizer, strategy, devices, backend=config.backend, stateful=model.stateful)
+    step = make_train_step(model.loss, optimizer, strategy, devices, backend=config.backend, stateful=model.stateful,
+                           accumulate=config.accumulate, shard_optimizer=config.shard_optimizer)
     evaluate = make_evaluator(model.apply, devices, on_all_devices=config.eval_on == "all", backend=config.backend)
     if model.per_replica_state:  # one set of statistics before evaluating and saving (see jdp.models)
         average = jax.pmap(models.average_state, axis_name=AXIS, devices=devices, donate_argnums=0)
@@ -195,8 +222,32 @@ def checkpoint_target(config: TrainConfig) -> PyTree:
     """The structure, shapes and dtypes of the arrays `train` checkpoints, e.g. for `jdp.training.checkpoint.load`."""
     model = config.build_model()
     params = model.init(jax.random.key(0))
-    return {"params": params, "opt_state": optax.sgd(learning_rate(config)).init(models.trainable(model, params)),
-            "data_key": jax.random.key_data(jax.random.key(0))}
+    opt_state = _initial_opt_state(config, config.build_optimizer(), models.trainable(model, params))
+    return {"params": params, "opt_state": opt_state, "data_key": jax.random.key_data(jax.random.key(0))}
+
+
+def _initial_opt_state(config: TrainConfig, optimizer: optax.GradientTransformation, trainable: PyTree) -> PyTree:
+    """The optimizer state before step 1, in the host form checkpoints hold (flat when sharded)."""
+    return zero.host_state(optimizer, trainable) if config.shard_optimizer else optimizer.init(trainable)
+
+
+class _OptStateLayout(NamedTuple):
+    """Where the optimizer state lives: replicated like the params, or split over the devices (ZeRO)."""
+
+    place: Callable[[PyTree], PyTree]  # host form -> on the devices
+    host_copy: Callable[[PyTree], PyTree]  # on the devices -> host form
+    same: Callable[[PyTree], PyTree]  # the part every device must hold identically (the replica check)
+
+
+def _opt_state_layout(config: TrainConfig, optimizer: optax.GradientTransformation, trainable: PyTree,
+                      devices: Sequence[jax.Device]) -> _OptStateLayout:
+    if not config.shard_optimizer:
+        return _OptStateLayout(lambda state: replicate(state, devices, config.backend),
+                               lambda state: unreplicate(state, config.backend), lambda state: state)
+    k = len(devices)
+    return _OptStateLayout(lambda state: zero.shard_state(optimizer, state, trainable, devices),
+                           lambda state: zero.gather_state(optimizer, state, trainable, k),
+                           lambda state: zero.replicated_part(optimizer, state, trainable, k))
 
 
 def _name(choice: str | Model | Allreduce) -> str:
