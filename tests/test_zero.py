@@ -58,7 +58,7 @@ def one_device_full_batch(name, batches):
 
 def initial_state(opt, params, devices, backend, shard):
     if shard:
-        return zero.shard_state(opt, zero.host_state(opt, params), params, devices)
+        return zero.init_state(opt, params, devices)
     return replicate(opt.init(params), devices, backend)
 
 

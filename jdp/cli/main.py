@@ -80,10 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side in one run")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    from jdp.bench import allreduce, step
+    from jdp.bench import allreduce, memory, step
     from jdp.bench import train as train_bench
 
-    for module in (allreduce, step, train_bench):  # each benchmark adds its own subcommand
+    for module in (allreduce, step, train_bench, memory):  # each benchmark adds its own subcommand
         module.add_parser(benchmarks)
 
     launch = commands.add_parser(

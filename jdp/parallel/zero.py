@@ -181,6 +181,12 @@ def shard_state(optimizer: optax.GradientTransformation, state: PyTree, params: 
     return jax.tree.unflatten(treedef, placed)
 
 
+def init_state(optimizer: optax.GradientTransformation, params: PyTree, devices: Sequence[jax.Device]) -> PyTree:
+    """The initial optimizer state of `params`, sharded over `devices`: what `make_train_step(...,
+    shard_optimizer=True)` takes as `opt_state` (the counterpart of `jdp.replicate(optimizer.init(params))`)."""
+    return shard_state(optimizer, host_state(optimizer, params), params, devices)
+
+
 def gather_state(optimizer: optax.GradientTransformation, state: PyTree, params: PyTree, k: int) -> PyTree:
     """The host form of a sharded state (the inverse of `shard_state`); a collective with several processes."""
     flat = plan(params, k)
