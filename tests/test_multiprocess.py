@@ -143,17 +143,23 @@ DRIVER = textwrap.dedent("""
 """)
 
 
+# The lesson's SGD, and AdamW with 2 micro-batches per device and its state sharded over the 4 devices of 2 processes.
+ZERO = {"optimizer": "adamw", "lr": 1e-3, "accumulate": 2, "shard_optimizer": True}
+
+
 @pytest.mark.slow
-def test_two_processes_end_with_the_params_of_one_process_with_all_devices(devices, tmp_path):
+@pytest.mark.parametrize("extra", [{}, ZERO], ids=["sgd", "sharded-adamw-accumulate"])
+def test_two_processes_end_with_the_params_of_one_process_with_all_devices(extra, devices, tmp_path):
     """Both backends: 2 processes x 2 devices vs 1 process x 4 devices, the same global batches."""
+    config = {**CONFIG, **extra}
     script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(synthetic=SYNTHETIC, config=CONFIG))
+    script.write_text(DRIVER.format(synthetic=SYNTHETIC, config=config))
     result = run_launch(["--num-processes", "2", "--cpu-devices-per-process", "2", "--timeout", "300", "--",
                          sys.executable, str(script), "--save", str(tmp_path / "params-")], timeout=360)
     assert result.returncode == 0, result.stderr[-3000:]
     dataset = data.synthetic(jax.random.key(0), **SYNTHETIC)
     for backend in layout.BACKENDS:
-        expected, history = train(TrainConfig(**CONFIG, backend=backend), dataset, devices[:4])
+        expected, history = train(TrainConfig(**config, backend=backend), dataset, devices[:4])
         saved = np.load(tmp_path / f"params-{backend}.npz")
         got = [saved[f"arr_{i}"] for i in range(len(saved.files))]
         chex.assert_trees_all_close(got, jax.tree.leaves(expected), rtol=1e-6, atol=1e-9)

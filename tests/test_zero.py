@@ -2,6 +2,7 @@
 device on the whole batch, replicas bit-identical, the state really split, and planted bugs caught."""
 
 import dataclasses
+import json
 import logging
 
 import chex
@@ -13,6 +14,7 @@ import pytest
 from reference import LOSS, assert_replicas_identical
 
 from jdp import data
+from jdp.cli.main import main
 from jdp.errors import ConfigError
 from jdp.models import lenet
 from jdp.parallel import allreduce, zero
@@ -303,3 +305,27 @@ def test_resuming_with_another_kind_of_optimizer_state_is_refused_naming_the_fla
     train(dataclasses.replace(SHARDED, epochs=1), SMALL, devices[:2], checkpoint_dir=tmp_path)
     with pytest.raises(ConfigError, match=message):
         train(dataclasses.replace(SHARDED, **change), SMALL, devices[:2], checkpoint_dir=tmp_path, resume=True)
+
+
+# ---- the command line ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--momentum", "0.9"], "`--momentum` applies to `--optimizer momentum`, not `sgd`"),
+    (["--accumulate", "0"], "`--accumulate` must be a positive integer, got 0."),
+    (["--batch-size", "100", "--accumulate", "3"], "`--batch-size 100` does not split into 2 devices × `--accumulate 3`"),
+    (["--shard-optimizer", "--allreduce", "tree"], "which `--allreduce tree` does not provide"),
+    (["--shard-optimizer", "--fuse"], "`--shard-optimizer` already ravels the gradients"),
+])
+def test_bad_optimizer_flags_are_one_line_and_exit_2(flags, message, capsys):
+    assert main(["train", "--devices", "2", "--dataset", "synthetic", "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_bench_memory_reads_bytes_off_the_devices(tmp_path, capsys):
+    assert main(["bench", "memory", "--models", "lenet", "--optimizers", "adamw", "--ks", "1", "4",
+                 "--time-models", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "memory.json").read_text())
+    (ratio,) = [r for r in record["ratios"] if r["k"] == 4]
+    assert 0.25 <= ratio["opt_state"] < 0.2501 and 0.25 <= ratio["grads"] < 0.2501  # 1/k, plus ≤ 3 padding elements
+    assert (tmp_path / "memory.png").stat().st_size > 0 and "| lenet | adamw | 4 |" in (tmp_path / "memory.md").read_text()

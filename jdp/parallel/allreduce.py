@@ -275,34 +275,33 @@ def manual_ring(tree: PyTree) -> PyTree:
 
 
 def _ring_sum_explicit(x: jax.Array) -> jax.Array:
-    shards = _ordered_shards(x)
-    k = len(shards)
-    if k == 1 or x.size == 0:
-        return x
-    local = _ring_programs(tuple(s.device for s in shards))
-    chunks = _gather_explicit(_scatter_explicit(_chunks_explicit(shards, local), local))
-    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, _joined_explicit(chunks, local, x.shape[1:]))
+    def reduce_scatter_then_all_gather(shards, local):
+        mine = _scatter_explicit(_chunks_explicit(shards, local), local)  # the sum of chunk i on device i
+        rows = _joined_explicit(_gather_explicit(mine), local, x.shape[1:])
+        return jax.make_array_from_single_device_arrays(x.shape, x.sharding, rows)
+
+    return x if x.size == 0 else _explicit_ring(x, reduce_scatter_then_all_gather)
 
 
 def manual_ring_reduce_scatter(x: jax.Array) -> jax.Array:
     """`ring_reduce_scatter` from explicit copies: (k, k·c) in, row i the sum of chunk i, (k, c) out."""
-    shards = _ordered_shards(x)
-    k = len(shards)
-    if k == 1:
-        return x
-    local = _ring_programs(tuple(s.device for s in shards))
-    return _from_rows(_scatter_explicit(_chunks_explicit(shards, local), local), (k, x.shape[1] // k))
+    return _explicit_ring(x, lambda shards, local: _from_rows(
+        _scatter_explicit(_chunks_explicit(shards, local), local), (len(shards), x.shape[1] // len(shards))))
 
 
 def manual_ring_all_gather(x: jax.Array) -> jax.Array:
     """`ring_all_gather` from explicit copies: (k, c) in, every row all k chunks in order, (k, k·c) out."""
+    size = len(x.addressable_shards) * x.shape[1]
+    return _explicit_ring(x, lambda shards, local: _from_rows(
+        _joined_explicit(_gather_explicit([s.data for s in shards]), local, (size,)), (len(shards), size)))
+
+
+def _explicit_ring(x: jax.Array, run: Callable[[list[jax.Shard], "_RingPrograms"], jax.Array]) -> jax.Array:
+    """`run(shards, programs)` over the device-ordered shards of a (k, ...) array; `x` itself on one device."""
     shards = _ordered_shards(x)
-    k = len(shards)
-    if k == 1:
+    if len(shards) == 1:
         return x
-    local = _ring_programs(tuple(s.device for s in shards))
-    chunks = _gather_explicit([s.data for s in shards])
-    return _from_rows(_joined_explicit(chunks, local, (k * x.shape[1],)), (k, k * x.shape[1]))
+    return run(shards, _ring_programs(tuple(s.device for s in shards)))
 
 
 def _chunks_explicit(shards: list[jax.Shard], local: "_RingPrograms") -> list[list[jax.Array]]:
