@@ -131,14 +131,22 @@ def make_train_step(
     return _outside_step(p_grads, allreduce, p_update)
 
 
+# Whether XLA keeps one micro-batch's activations when the unrolled micro-batches are ordered by
+# `lax.optimization_barrier` (measured with `memory_analysis()`: yes on JAX 0.12, no on 0.10.2).
+BARRIER_ORDERS_MICRO_BATCHES = jax.__version_info__ >= (0, 12)
+
+
 def accumulate_grads(grads_fn: Callable, variables: PyTree, images: jax.Array, labels: jax.Array,
                      micro_batches: int, *, stateful: bool = False) -> tuple[jax.Array, PyTree, PyTree]:
     """Sums `grads_fn` over `micro_batches` equal parts of a device's shard, one part after another.
 
     The loss is a sum, so the summed gradients of the parts are the gradient of the whole shard: the
-    allreduce and the update that follow are those of one step on the whole batch. The parts run in a
-    `lax.scan`, so only one part's activations are alive at a time. A stateful model's state (BatchNorm
-    statistics) is threaded from each part to the next, as N steps would thread it.
+    allreduce and the update that follow are those of one step on the whole batch. Only one part's
+    activations are alive at a time: the parts are unrolled, each read through `lax.optimization_barrier`
+    with the running sum, so XLA cannot start part t before part t−1's gradients exist (a `lax.scan`
+    would bound memory too, but XLA's CPU convolutions run ~10x slower inside a loop). JAX 0.10's XLA
+    ignores that order when it assigns buffers, so there the parts run in a `lax.scan`. A stateful
+    model's state (BatchNorm statistics) is threaded from each part to the next, as N steps would.
 
     Args:
       grads_fn: (variables, images, labels) -> (summed loss, gradients, new state or None).
@@ -160,13 +168,22 @@ def accumulate_grads(grads_fn: Callable, variables: PyTree, images: jax.Array, l
         )
     parts = jax.tree.map(lambda a: a.reshape(micro_batches, n // micro_batches, *a.shape[1:]), (images, labels))
 
-    loss, grads = jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, variables["params"] if stateful else variables)
-    for t in range(micro_batches):  # unrolled: XLA's CPU convolutions run 10x slower inside a loop (jdp.training.feeders)
-        part = jax.tree.map(lambda a: a[t], parts)
-        grads, part = lax.optimization_barrier((grads, part))  # part t is read only once part t−1's gradients exist
-        part_loss, part_grads, state = grads_fn(variables, *part)
-        loss, grads = loss + part_loss, jax.tree.map(jnp.add, grads, part_grads)  # 0 + g is g exactly
+    def add_part(carry, part):
+        loss_sum, grad_sum, variables = carry
+        loss, grads, state = grads_fn(variables, *part)
         variables = {**variables, "state": state} if stateful else variables
+        return loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), variables  # 0 + g is g exactly
+
+    zeros = jax.tree.map(jnp.zeros_like, variables["params"] if stateful else variables)
+    carry = (jnp.zeros((), jnp.float32), zeros, variables)
+    if BARRIER_ORDERS_MICRO_BATCHES:
+        for t in range(micro_batches):  # unrolled
+            part = jax.tree.map(lambda a: a[t], parts)
+            grad_sum, part = lax.optimization_barrier((carry[1], part))  # part t is read once part t−1's gradients exist
+            carry = add_part((carry[0], grad_sum, carry[2]), part)
+    else:
+        carry, _ = lax.scan(lambda carry, part: (add_part(carry, part), None), carry, parts)
+    loss, grads, variables = carry
     return loss, grads, variables["state"] if stateful else None
 
 
