@@ -80,7 +80,8 @@ def run(name, devices, backend, batches, *, strategy="psum", accumulate=1, shard
 
 def assert_equals_one_device(params, name, backend, batches):
     assert_replicas_identical(params)  # every device's copy, bit for bit
-    chex.assert_trees_all_close(unreplicate(params, backend), one_device_full_batch(name, batches), rtol=RTOL, atol=ATOL)
+    chex.assert_trees_all_close(unreplicate(params, backend), one_device_full_batch(name, batches),
+                                rtol=RTOL, atol=ATOL)
 
 
 FAST = ("adamw", 3)  # the fast tier: AdamW (the most state) on 3 devices (not a power of 2); the rest is slow
@@ -135,7 +136,8 @@ def test_each_device_holds_one_kth_of_the_optimizer_state(name, backend, devices
         assert whole / k <= got <= whole / k + 4 * 2 * k + 16
 
 
-@pytest.mark.parametrize(("name", "backend"), [("adamw", "pmap"), pytest.param("adamw", "shard_map", marks=pytest.mark.slow),
+@pytest.mark.parametrize(("name", "backend"), [("adamw", "pmap"),
+                                               pytest.param("adamw", "shard_map", marks=pytest.mark.slow),
                                                pytest.param("momentum", "pmap", marks=pytest.mark.slow)])
 def test_a_slice_updated_with_another_slices_state_is_caught(name, backend, devices, batches):
     """The planted bug: after step 1, device i holds slice i+1's optimizer state."""

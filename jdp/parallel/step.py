@@ -179,7 +179,8 @@ def accumulate_grads(grads_fn: Callable, variables: PyTree, images: jax.Array, l
     if BARRIER_ORDERS_MICRO_BATCHES:
         for t in range(micro_batches):  # unrolled
             part = jax.tree.map(lambda a: a[t], parts)
-            grad_sum, part = lax.optimization_barrier((carry[1], part))  # part t is read once part t−1's gradients exist
+            # part t is read only once part t−1's gradients exist
+            grad_sum, part = lax.optimization_barrier((carry[1], part))
             carry = add_part((carry[0], grad_sum, carry[2]), part)
     else:
         carry, _ = lax.scan(lambda carry, part: (add_part(carry, part), None), carry, parts)

@@ -152,7 +152,8 @@ def slice_leaves(optimizer: optax.GradientTransformation, flat: Flat) -> list[bo
     A leaf whose shape follows the buffers' length is per-element (AdamW's moments); one whose shape
     does not is the same on every device (AdamW's step count).
     """
-    one, other = _state_shapes(optimizer, flat, flat.chunks), _state_shapes(optimizer, flat, [c + 1 for c in flat.chunks])
+    one = _state_shapes(optimizer, flat, flat.chunks)
+    other = _state_shapes(optimizer, flat, [c + 1 for c in flat.chunks])
     return [a.shape != b.shape for a, b in zip(one, other, strict=True)]
 
 

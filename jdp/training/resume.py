@@ -56,7 +56,8 @@ def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
         if old[name] != new[name]:
             raise ConfigError(
                 f"This run has {_shown(name, new[name])} but the checkpoint has {_shown(name, old[name])}: their "
-                "optimizer states hold other arrays. Resume with the checkpoint's setting, or pass a new `--checkpoint-dir`."
+                "optimizer states hold other arrays. Resume with the checkpoint's setting, or pass a new "
+                "`--checkpoint-dir`."
             )
 
 
