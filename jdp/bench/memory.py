@@ -65,10 +65,10 @@ def bytes_per_device(tree: Any, devices: Sequence[jax.Device]) -> int:
     return max(held.values())
 
 
-def held_arrays(model: models.Model, optimizer_name: str, devices: Sequence[jax.Device], sharded: bool) -> dict:
+def held_arrays(model: models.Model, variables: Any, optimizer_name: str, devices: Sequence[jax.Device],
+                sharded: bool) -> dict:
     """The params, reduced gradients and optimizer state of a step on `devices`, on the devices."""
     optimizer = optimizers.make(optimizer_name, 1e-3)
-    variables = model.init(jax.random.key(0))
     params = models.trainable(model, variables)
     grads = replicate(jax.tree.map(np.zeros_like, params), devices)  # each device's local gradient sum
     if sharded:
@@ -82,13 +82,12 @@ def held_arrays(model: models.Model, optimizer_name: str, devices: Sequence[jax.
     return {"params": replicate(variables, devices), "grads": reduced, "opt_state": state}
 
 
-def step_seconds(model: models.Model, optimizer_name: str, devices: Sequence[jax.Device], batch_size: int,
-                 steps: int, repeats: int) -> dict[str, list[float]]:
+def step_seconds(model: models.Model, variables: Any, optimizer_name: str, devices: Sequence[jax.Device],
+                 batch_size: int, steps: int, repeats: int) -> dict[str, list[float]]:
     """Seconds per step of the replicated and the sharded step, their repeats interleaved."""
     optimizer = optimizers.make(optimizer_name, 1e-3)
     split = data.synthetic(jax.random.key(0), n_train=batch_size, n_test=1).train
     x, y = split_batch(split.images, split.labels, devices)
-    variables = model.init(jax.random.key(0))
     params = models.trainable(model, variables)
     runs = {}
     for mode in MODES:
@@ -113,12 +112,13 @@ def bench_memory(devices: Sequence[jax.Device], model_names: Sequence[str], opti
     rows = []
     for model_name in model_names:
         model = models.get(model_name)
+        variables = jax.device_get(model.init(jax.random.key(0)))  # once: a ResNet-18 init compiles for minutes
         for optimizer_name in optimizer_names:
             for k in ks:
-                timed = (step_seconds(model, optimizer_name, devices[:k], batch_size, steps, repeats)
+                timed = (step_seconds(model, variables, optimizer_name, devices[:k], batch_size, steps, repeats)
                          if model_name in time_models else {})
                 for mode in MODES:
-                    arrays = held_arrays(model, optimizer_name, devices[:k], mode == "sharded")
+                    arrays = held_arrays(model, variables, optimizer_name, devices[:k], mode == "sharded")
                     held = {part: bytes_per_device(tree, devices[:k]) for part, tree in arrays.items()}
                     samples = timed.get(mode)
                     rows.append({"model": model_name, "optimizer": optimizer_name, "k": k, "mode": mode,
