@@ -24,11 +24,13 @@ from jdp.parallel.allreduce import register as register_allreduce
 from jdp.parallel.compress import low_precision, powersgd
 from jdp.parallel.layout import replicate, split_batch, unreplicate
 from jdp.parallel.step import make_train_step
+from jdp.parallel.zero import init_state as init_sharded_opt_state
 from jdp.runtime.devices import AXIS, select_devices, simulate_cpu_devices
 from jdp.runtime.devices import describe as describe_devices
 from jdp.runtime.xla_flags import enable as enable_xla_flags
 from jdp.training.evaluate import make_evaluator
 from jdp.training.loop import EpochRecord, TrainConfig, train
+from jdp.training.optimizers import make as make_optimizer
 
 try:
     __version__ = version("jdp")
@@ -55,9 +57,11 @@ __all__ = [
     "fused",
     "get_allreduce",
     "get_model",
+    "init_sharded_opt_state",
     "load_dataset",
     "low_precision",
     "make_evaluator",
+    "make_optimizer",
     "make_train_step",
     "model_names",
     "plot",

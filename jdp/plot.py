@@ -100,3 +100,38 @@ def runs_per_epoch(test_acc: dict[str, Sequence[float]], train_loss: dict[str, S
         figure.suptitle(title, fontsize=9)
     figure.tight_layout()
     return figure
+
+
+def bytes_per_device(rows: Sequence[dict], title: str = "") -> Figure:
+    """`jdp bench memory`'s picture: bytes per device vs device count, one panel per model.
+
+    Solid lines: replicated; dashed: `--shard-optimizer`. Per optimizer, the optimizer state alone
+    (thin) and params + gradients + optimizer state (thick).
+
+    Args:
+      rows: `jdp bench memory` results (model, optimizer, k, mode, opt_state_bytes, total_bytes).
+      title: shown above the panels.
+    """
+    names = list(dict.fromkeys(r["model"] for r in rows))
+    figure = Figure(figsize=(5.0 * len(names), 4.0))
+    for index, name in enumerate(names, start=1):
+        ax = figure.add_subplot(1, len(names), index)
+        for color, optimizer in enumerate(dict.fromkeys(r["optimizer"] for r in rows)):
+            for mode, style in (("replicated", "-"), ("sharded", "--")):
+                mine = [r for r in rows if (r["model"], r["optimizer"], r["mode"]) == (name, optimizer, mode)]
+                ks = [r["k"] for r in mine]
+                ax.plot(ks, [r["total_bytes"] / 2**20 for r in mine], style, color=f"C{color}", marker="o", lw=2,
+                        label=f"{optimizer} {mode}: total")
+                ax.plot(ks, [r["opt_state_bytes"] / 2**20 for r in mine], style, color=f"C{color}", marker=".",
+                        lw=0.8, label=f"{optimizer} {mode}: opt state")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("devices k")
+        ax.set_ylabel("MiB per device")
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        if index == 1:
+            ax.legend(fontsize=6)
+    if title:
+        figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    return figure

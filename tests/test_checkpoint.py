@@ -160,20 +160,28 @@ FLAGS = ["--dataset", "synthetic", "--epochs", "2", "--batch-size", "32", "--lr"
          "--checkpoint-every", "3", "--no-xla-flags"]  # 2048 images: 64 steps per epoch, 128 in all
 
 
-def final_state(directory):
-    return checkpoint.restore_latest(directory, checkpoint_target(TrainConfig(lr=0.1)))
+def final_state(directory, config=TrainConfig(lr=0.1)):
+    return checkpoint.restore_latest(directory, checkpoint_target(config))
+
+
+# The lesson's SGD, and AdamW with its state sharded over the devices (ZeRO: the checkpoint holds it gathered).
+SHARDED_ADAMW = ["--optimizer", "adamw", "--lr", "0.001", "--shard-optimizer"]
+RUNS = {"sgd": ([], TrainConfig(lr=0.1)),
+        "sharded-adamw": (SHARDED_ADAMW, TrainConfig(lr=0.001, optimizer="adamw", shard_optimizer=True))}
 
 
 @pytest.mark.slow
-def test_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path, devices, capsys):
+@pytest.mark.parametrize("run", RUNS)
+def test_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one(run, tmp_path, devices, capsys):
     """SIGKILL a real `jdp train` process mid-epoch, `--resume` it: the final params, optimizer state and
     history equal an uninterrupted run's, bit for bit. (The resumed and the uninterrupted run use the CLI
     in this process, on 2 of its 8 devices, to spare two JAX start-ups. The killed process is configured
     alike: 8 simulated devices and no XLA performance flags, which this process, started by pytest, lacks;
     XLA's CPU code rounds differently under those flags.)"""
     killed, whole = tmp_path / "killed", tmp_path / "whole"
+    extra, config = RUNS[run]
     proc = subprocess.Popen([sys.executable, "-m", "jdp", "train", "--cpu-devices", "8", "--devices", "2", *FLAGS,
-                             "--checkpoint-dir", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             *extra, "--checkpoint-dir", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
     while not any(int(p.name[11:20]) >= 72 for p in killed.glob("checkpoint-*.msgpack")):  # in epoch 2
         assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()}"
@@ -182,16 +190,16 @@ def test_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_p
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    interrupted = final_state(killed)
+    interrupted = final_state(killed, config)
     assert 72 <= interrupted.step < 128 and 0 < interrupted.info["position"]["batches_done"] < 64  # mid-epoch
 
-    assert cli.main(["train", "--devices", "2", *FLAGS, "--checkpoint-dir", str(killed), "--resume"]) == 0
+    assert cli.main(["train", "--devices", "2", *FLAGS, *extra, "--checkpoint-dir", str(killed), "--resume"]) == 0
     out, err = capsys.readouterr()
     assert f"resuming from {interrupted.path} (step {interrupted.step}, epoch 2" in err
     assert out.count("epoch   2") == 1 and "epoch   1" not in out
-    assert cli.main(["train", "--devices", "2", *FLAGS, "--checkpoint-dir", str(whole)]) == 0
+    assert cli.main(["train", "--devices", "2", *FLAGS, *extra, "--checkpoint-dir", str(whole)]) == 0
 
-    a, b = final_state(whole), final_state(killed)
+    a, b = final_state(whole, config), final_state(killed, config)
     assert a.step == b.step == 128
     assert_bit_identical(a.arrays, b.arrays)
     strip = lambda history: [{k: v for k, v in r.items() if k != "seconds"} for r in history]  # noqa: E731

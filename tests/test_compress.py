@@ -14,7 +14,7 @@ import pytest
 import jdp
 from jdp import data
 from jdp.errors import ConfigError
-from jdp.parallel import allreduce, compress
+from jdp.parallel import compress
 from jdp.parallel.layout import sharded
 from jdp.runtime.devices import AXIS
 from jdp.training import checkpoint

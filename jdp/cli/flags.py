@@ -48,6 +48,24 @@ def add_compress_flags(parser: argparse.ArgumentParser) -> None:
                         help="with --compress powersgd: the rank of its factors (default 1)")
 
 
+def add_optimizer_flags(parser: argparse.ArgumentParser) -> None:
+    """`--optimizer`, `--momentum`, `--weight-decay`, `--accumulate`, `--shard-optimizer` (see docs/optimizers.md)."""
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adamw"],
+                        help="optax optimizer on the full-batch mean gradient; sgd is the lesson's")
+    parser.add_argument("--momentum", type=float, default=None,
+                        help="--optimizer momentum: the trace's decay (default 0.9)")
+    parser.add_argument("--weight-decay", type=float, default=None,
+                        help="sgd/momentum: L2 term added to the gradient (default none); adamw: decoupled "
+                        "weight decay (default 1e-4, optax's)")
+    parser.add_argument("--accumulate", type=int, default=1, metavar="N",
+                        help="N micro-batches per device per step: gradients summed locally, one allreduce, "
+                        "one update (the math of the whole batch, the activation memory of 1/N of it)")
+    parser.add_argument("--shard-optimizer", action="store_true",
+                        help="ZeRO-2: reduce-scatter the gradients, each device updates its 1/k slice with its "
+                        "1/k of the optimizer state, all-gather the params (--allreduce psum, ring, manual, "
+                        "manual_ring)")
+
+
 def load_plugins(modules: list[str]) -> None:
     """Imports each `--plugin` module (they register their models and strategies when imported).
 

@@ -12,6 +12,7 @@ from jdp.cli.flags import (
     add_backend_flag,
     add_compress_flags,
     add_device_flags,
+    add_optimizer_flags,
     check_out_dir,
     load_plugins,
     setup_devices,
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--profile-steps", default="3:12", metavar="A:B",
                        help="with --profile: the steps to trace, counted from 1 (the first steps compile)")
     add_backend_flag(train)
+    add_optimizer_flags(train)
     train.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                        help="multi-process: address of process 0's coordination service (with --num-processes "
                        "and --process-id; none of the three inside a SLURM/MPI job: detected)")
@@ -85,10 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side in one run")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    from jdp.bench import allreduce, step
+    from jdp.bench import allreduce, memory, step
     from jdp.bench import train as train_bench
 
-    for module in (allreduce, step, train_bench):  # each benchmark adds its own subcommand
+    for module in (allreduce, step, train_bench, memory):  # each benchmark adds its own subcommand
         module.add_parser(benchmarks)
 
     from jdp.cli import compare
@@ -125,7 +127,9 @@ def run_train(args: argparse.Namespace) -> int:
                          seed=args.seed, eval_on=args.eval_on,
                          warmup_steps=args.warmup_steps, model=args.model, model_impl=args.model_impl, batchnorm=args.batchnorm,
                          steps_per_call=args.steps_per_call, backend=args.backend,
-                         compress=args.compress, powersgd_rank=args.powersgd_rank)
+                         compress=args.compress, powersgd_rank=args.powersgd_rank,
+                         optimizer=args.optimizer, momentum=args.momentum, weight_decay=args.weight_decay,
+                         accumulate=args.accumulate, shard_optimizer=args.shard_optimizer)
     config.validate()
     out = check_out_dir(args.out)
     checkpoint.check_options(args.checkpoint_dir, args.checkpoint_every, args.resume)

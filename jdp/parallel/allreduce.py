@@ -82,9 +82,11 @@ def psum(tree: PyTree, axis_name: str) -> PyTree:
 def ring(tree: PyTree, axis_name: str, wire: jnp.dtype | None = None) -> PyTree:
     """Ring allreduce from `lax.ppermute`: reduce-scatter, then all-gather, k−1 steps each.
 
-    Each buffer is cut into k chunks. In reduce-scatter step s, device i passes chunk (i−s) mod k
+    Each buffer is cut into k chunks. In reduce-scatter step s, device i passes chunk (i−1−s) mod k
     to its right neighbour, which adds it to its own copy of that chunk; after k−1 steps device i
-    holds the full sum of chunk i+1. All-gather then passes the finished chunks round the ring.
+    holds the full sum of chunk i. All-gather then passes the finished chunks round the ring. The
+    two halves are `ring_reduce_scatter` and `ring_all_gather`, which the sharded optimizer
+    (`jdp.parallel.zero`) uses on their own.
     Every device sends and receives 2(k−1)/k·N bytes, the minimum for any allreduce, and every
     link carries traffic at every step (Patarasuk & Yuan 2009).
 
@@ -98,28 +100,62 @@ def _ring_sum(x: jax.Array, axis_name: str, wire: jnp.dtype | None = None) -> ja
     k = lax.axis_size(axis_name)
     if k == 1 or x.size == 0:
         return x
+    mine = ring_reduce_scatter(_pad(x.ravel(), k), axis_name, wire)
+    if wire is not None:  # the finished chunk rounded as it will be sent: the same bits on every device
+        mine = mine.astype(wire).astype(x.dtype)
+    return ring_all_gather(mine, axis_name, wire)[: x.size].reshape(x.shape)
+
+
+def ring_reduce_scatter(flat: jax.Array, axis_name: str, wire: jnp.dtype | None = None) -> jax.Array:
+    """The ring's first half: a 1-D buffer of k·c elements in, the sum over devices of chunk i out.
+
+    The same contract as `lax.psum_scatter(flat, axis_name, tiled=True)`: device i ends with the
+    c elements [i·c, (i+1)·c) of the sum. In step s = 0 … k−2, device i passes chunk (i−1−s) mod k
+    to device i+1, which adds it to its own copy; chunk c travels c+1 → c+2 → … → c, collecting
+    every device's term. Each device sends (k−1)/k·N bytes.
+    """
+    k = lax.axis_size(axis_name)
+    if k == 1:
+        return flat
     i = lax.axis_index(axis_name)
-    chunks = _pad(x.ravel(), k).reshape(k, -1)
-    right = [(j, (j + 1) % k) for j in range(k)]
-    on_wire = (lambda c: c) if wire is None else (lambda c: c.astype(wire).astype(x.dtype))
+    chunks = flat.reshape(k, -1)
 
-    def send(row):  # one hop to the right neighbour, in the wire dtype if any
-        sent = row if wire is None else row.astype(wire)
-        return lax.ppermute(sent, axis_name, right).astype(x.dtype)
-
-    def reduce_scatter_step(s, chunks):
-        received = send(_row(chunks, (i - s) % k))  # chunk i−s → device i+1
-        target = (i - 1 - s) % k
+    def step(s, chunks):
+        received = _send(_row(chunks, (i - 1 - s) % k), axis_name, wire)  # chunk i−1−s → device i+1
+        target = (i - 2 - s) % k  # what device i−1 sent
         return _set_row(chunks, target, _row(chunks, target) + received)
 
-    def all_gather_step(s, chunks):  # pass the finished chunks on, overwriting
-        received = send(_row(chunks, (i + 1 - s) % k))
-        return _set_row(chunks, (i - s) % k, received)
+    return _row(lax.fori_loop(0, k - 1, step, chunks), i)
 
-    chunks = lax.fori_loop(0, k - 1, reduce_scatter_step, chunks)
-    chunks = on_wire(chunks)  # the finished chunk rounded as it will be sent: the same bits on every device
-    chunks = lax.fori_loop(0, k - 1, all_gather_step, chunks)
-    return chunks.ravel()[: x.size].reshape(x.shape)
+
+def ring_all_gather(mine: jax.Array, axis_name: str, wire: jnp.dtype | None = None) -> jax.Array:
+    """The ring's second half: device i's chunk i in, every chunk, in order, out (k·c elements).
+
+    The same contract as `lax.all_gather(mine, axis_name, tiled=True)`. In step s, device i passes
+    chunk (i−s) mod k on to device i+1, which keeps it; (k−1)/k·N bytes sent per device.
+    """
+    k = lax.axis_size(axis_name)
+    if k == 1:
+        return mine
+    i = lax.axis_index(axis_name)
+    chunks = _set_row(jnp.zeros((k, *mine.shape), mine.dtype), i, mine)
+
+    def step(s, chunks):
+        received = _send(_row(chunks, (i - s) % k), axis_name, wire)  # chunk i−s → device i+1
+        return _set_row(chunks, (i - 1 - s) % k, received)
+
+    return lax.fori_loop(0, k - 1, step, chunks).ravel()
+
+
+def _send(row: jax.Array, axis_name: str, wire: jnp.dtype | None) -> jax.Array:
+    """One hop to the right neighbour, in the `wire` dtype if any, added in the buffer's own dtype."""
+    sent = row if wire is None else row.astype(wire)
+    return lax.ppermute(sent, axis_name, _right(lax.axis_size(axis_name))).astype(row.dtype)
+
+
+def _right(k: int) -> list[tuple[int, int]]:
+    """The ring's links: device j sends to device j+1 (mod k)."""
+    return [(j, (j + 1) % k) for j in range(k)]
 
 
 def tree(tree: PyTree, axis_name: str) -> PyTree:
@@ -196,12 +232,50 @@ def manual(tree: PyTree) -> PyTree:
 
 def _star_sum(x: jax.Array) -> jax.Array:
     shards = _ordered_shards(x)
+    total = _sum_at_root(shards)
+    copies = [jax.device_put(total, s.device) for s in shards]  # copy the sum back to every device
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, copies)
+
+
+def _sum_at_root(shards: list[jax.Shard]) -> jax.Array:
+    """Copies every device's buffer to device 0 and adds them there, in device order."""
     root = shards[0].device
     total = shards[0].data
     for shard in shards[1:]:
         total = total + jax.device_put(shard.data, root)  # copy device i → device 0, add on device 0
-    copies = [jax.device_put(total, s.device) for s in shards]  # copy the sum back to every device
-    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, copies)
+    return total
+
+
+def manual_reduce_scatter(x: jax.Array) -> jax.Array:
+    """The star's reduce-scatter: the sum formed on device 0 as in `manual`, then chunk i copied to device i.
+
+    Args:
+      x: (k, k·c), row i on device i.
+
+    Returns:
+      (k, c), row i on device i: the sum over devices of the elements [i·c, (i+1)·c).
+    """
+    shards = _ordered_shards(x)
+    k = len(shards)
+    total = _sum_at_root(shards).reshape(k, 1, -1)
+    return _from_rows([jax.device_put(total[i], s.device) for i, s in enumerate(shards)],  # chunk i → device i
+                      (k, x.shape[1] // k))
+
+
+def manual_all_gather(x: jax.Array) -> jax.Array:
+    """The star's all-gather: every chunk copied to device 0, joined there, the whole copied back.
+
+    Args:
+      x: (k, c), row i on device i.
+
+    Returns:
+      (k, k·c): every row the k chunks in order, row i on device i.
+    """
+    shards = _ordered_shards(x)
+    root = shards[0].device
+    whole = jnp.concatenate([jax.device_put(s.data, root) for s in shards], axis=1)  # chunk i → device 0
+    copies = [jax.device_put(whole, s.device) for s in shards]  # the whole buffer → every device
+    return _from_rows(copies, (len(shards), whole.shape[1]))
 
 
 def manual_ring(tree: PyTree) -> PyTree:
@@ -211,31 +285,83 @@ def manual_ring(tree: PyTree) -> PyTree:
     chunks; k−1 reduce-scatter steps copy one chunk from device i to device i+1, which adds it;
     k−1 all-gather steps copy the finished chunks on. Every device sends 2(k−1)/k·N bytes, so no
     device is a bottleneck. Each step is k copies dispatched from the host, plus (in reduce-scatter)
-    one addition that runs on every device at once.
+    one addition that runs on every device at once. The halves are `manual_ring_reduce_scatter`
+    and `manual_ring_all_gather`.
     """
     return jax.tree.map(_ring_sum_explicit, tree)
 
 
 def _ring_sum_explicit(x: jax.Array) -> jax.Array:
+    def reduce_scatter_then_all_gather(shards, local):
+        mine = _scatter_explicit(_chunks_explicit(shards, local), local)  # the sum of chunk i on device i
+        rows = _joined_explicit(_gather_explicit(mine), local, x.shape[1:])
+        return jax.make_array_from_single_device_arrays(x.shape, x.sharding, rows)
+
+    return x if x.size == 0 else _explicit_ring(x, reduce_scatter_then_all_gather)
+
+
+def manual_ring_reduce_scatter(x: jax.Array) -> jax.Array:
+    """`ring_reduce_scatter` from explicit copies: (k, k·c) in, row i the sum of chunk i, (k, c) out."""
+    return _explicit_ring(x, lambda shards, local: _from_rows(
+        _scatter_explicit(_chunks_explicit(shards, local), local), (len(shards), x.shape[1] // len(shards))))
+
+
+def manual_ring_all_gather(x: jax.Array) -> jax.Array:
+    """`ring_all_gather` from explicit copies: (k, c) in, every row all k chunks in order, (k, k·c) out."""
+    size = len(x.addressable_shards) * x.shape[1]
+    return _explicit_ring(x, lambda shards, local: _from_rows(
+        _joined_explicit(_gather_explicit([s.data for s in shards]), local, (size,)), (len(shards), size)))
+
+
+def _explicit_ring(x: jax.Array, run: Callable[[list[jax.Shard], "_RingPrograms"], jax.Array]) -> jax.Array:
+    """`run(shards, programs)` over the device-ordered shards of a (k, ...) array; `x` itself on one device."""
     shards = _ordered_shards(x)
-    k = len(shards)
-    if k == 1 or x.size == 0:
+    if len(shards) == 1:
         return x
-    local = _ring_programs(tuple(s.device for s in shards))
+    return run(shards, _ring_programs(tuple(s.device for s in shards)))
+
+
+def _chunks_explicit(shards: list[jax.Shard], local: "_RingPrograms") -> list[list[jax.Array]]:
+    """chunks[i][c]: chunk c of device i's buffer, on device i, shape (1, chunk); one dispatch."""
     pieces = local.split(local.stack([s.data for s in shards]))  # pieces[c]: row i = chunk c of device i
-    chunks = [[_ordered_shards(piece)[i].data for piece in pieces] for i in range(k)]  # chunks[i][c] on device i
-    for s in range(k - 1):  # reduce-scatter: device i sends chunk i−s; device i+1 adds it to its own copy
-        received = _pass_right([chunks[i][(i - s) % k] for i in range(k)])
-        targets = [(j, (j - 1 - s) % k) for j in range(k)]
+    return [[_ordered_shards(piece)[i].data for piece in pieces] for i in range(len(shards))]
+
+
+def _joined_explicit(chunks: list[dict[int, jax.Array]], local: "_RingPrograms", shape: tuple[int, ...]
+                     ) -> list[jax.Array]:
+    """Row i: device i's chunks joined in order (the padding cut) and shaped (1, *shape); one dispatch."""
+    k = len(chunks)
+    out = local.join(tuple(local.stack([chunks[i][c] for i in range(k)]) for c in range(k)), shape)
+    return [s.data for s in _ordered_shards(out)]
+
+
+def _from_rows(rows: list[jax.Array], shape: tuple[int, ...]) -> jax.Array:
+    """One (k, ...) array of `rows[i]` (each (1, ...), on device i), sharded over its first axis."""
+    sharding = NamedSharding(Mesh(np.asarray([r.device for r in rows]), ("rows",)), P("rows"))
+    return jax.make_array_from_single_device_arrays(shape, sharding, rows)
+
+
+def _scatter_explicit(chunks: list[list[jax.Array]], local: "_RingPrograms") -> list[jax.Array]:
+    """Reduce-scatter over `chunks[i][c]` (chunk c on device i): returns the sum of chunk i on device i."""
+    k = len(chunks)
+    for s in range(k - 1):  # device i sends chunk i−1−s; device i+1 adds it to its own copy
+        received = _pass_right([chunks[i][(i - 1 - s) % k] for i in range(k)])
+        targets = [(j, (j - 2 - s) % k) for j in range(k)]
         summed = local.stack([chunks[j][c] for j, c in targets]) + local.stack(received)  # every device at once
         for (j, c), part in zip(targets, _ordered_shards(summed), strict=True):
             chunks[j][c] = part.data
-    for s in range(k - 1):  # all-gather: device i sends its finished chunk i+1−s; device i+1 keeps it
-        received = _pass_right([chunks[i][(i + 1 - s) % k] for i in range(k)])
+    return [chunks[i][i] for i in range(k)]
+
+
+def _gather_explicit(mine: list[jax.Array]) -> list[dict[int, jax.Array]]:
+    """All-gather of `mine[i]` (chunk i on device i): returns chunks[j][c], every chunk on every device j."""
+    k = len(mine)
+    chunks = [{i: mine[i]} for i in range(k)]
+    for s in range(k - 1):  # device i sends its chunk i−s on; device i+1 keeps it
+        received = _pass_right([chunks[i][(i - s) % k] for i in range(k)])
         for j in range(k):
-            chunks[j][(j - s) % k] = received[j]
-    out = local.join(tuple(local.stack([chunks[i][c] for i in range(k)]) for c in range(k)), x.shape[1:])
-    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, [s.data for s in _ordered_shards(out)])
+            chunks[j][(j - 1 - s) % k] = received[j]
+    return chunks
 
 
 def _pass_right(sent: list[jax.Array]) -> list[jax.Array]:

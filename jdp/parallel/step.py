@@ -12,11 +12,14 @@ from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jdp.errors import ConfigError
+from jdp.errors import ConfigError, check_positive
 from jdp.parallel import allreduce as allreduce_lib
+from jdp.parallel import zero
 from jdp.parallel.allreduce import Allreduce
 from jdp.parallel.layout import Backend, check_backend
 from jdp.runtime.devices import AXIS, mesh
@@ -38,6 +41,8 @@ def make_train_step(
     *,
     stateful: bool = False,
     segment: Callable[[str, Callable], Callable] = lambda name, fn: fn,
+    accumulate: int = 1,
+    shard_optimizer: bool = False,
 ) -> TrainStep:
     """Builds the data-parallel train step, mapped once over `devices` by `backend`.
 
@@ -60,6 +65,11 @@ def make_train_step(
       backend: "pmap" or "shard_map".
       stateful: the step's first argument is {"params", "state"} (see `jdp.Model`): only "params"
         is differentiated and updated, "state" is replaced by the loss's new state.
+      accumulate: N micro-batches per device: each device's shard is cut into N equal parts whose
+        gradients are summed one after another (`accumulate_grads`) before the one allreduce.
+      shard_optimizer: ZeRO: reduce-scatter the gradients, update each device's 1/k slice with its
+        1/k of the optimizer state, all-gather the params (`jdp.parallel.zero`); opt_state is then
+        laid out by `jdp.parallel.zero.shard_state`.
       segment: `segment(kind, fn) -> fn` wraps each of an "outside" strategy's three calls, kind
         "compute" or "communication" (e.g. to time them, `jdp.training.profile.Profiler.segment`).
 
@@ -73,9 +83,12 @@ def make_train_step(
       params and opt_state are donated: do not reuse the arrays passed in.
 
     Raises:
-      ConfigError: for an unknown backend, or an "outside" strategy over devices of several processes.
+      ConfigError: for an unknown backend, an "outside" strategy over devices of several processes,
+        a shard that does not split into `accumulate` equal parts (when traced), or `shard_optimizer`
+        with a strategy that has no reduce-scatter.
     """
     check_backend(backend)
+    check_positive("--accumulate", accumulate)
     allreduce = allreduce_lib.get(allreduce)
     if allreduce.where == "outside" and any(d.process_index != jax.process_index() for d in devices):
         inside = ", ".join(allreduce_lib.names("inside"))
@@ -93,6 +106,11 @@ def make_train_step(
 
     def local_grads(variables, images, labels):
         """(loss, gradient sum over this device's shard, new model state or None)."""
+        if accumulate > 1:
+            return accumulate_grads(micro_grads, variables, images, labels, accumulate, stateful=stateful)
+        return micro_grads(variables, images, labels)
+
+    def micro_grads(variables, images, labels):
         if not stateful:
             return *jax.value_and_grad(loss_fn)(variables, images, labels), None
         (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
@@ -112,6 +130,8 @@ def make_train_step(
         variables, opt_state = update(variables, opt_state, grads, state, images.shape[0])
         return variables, _with_kept(opt_state, kept), loss
 
+    if shard_optimizer:
+        return zero.make_step(local_grads, optimizer, allreduce, devices, backend, stateful)
     if backend == "shard_map":
         return _shard_map_step(local_step, local_grads, update, allreduce, devices, segment)
     if allreduce.where == "inside":
@@ -122,6 +142,63 @@ def make_train_step(
         axis_name=AXIS, devices=devices, donate_argnums=(0, 1),
     )
     return _outside_step(p_grads, allreduce, p_update, segment)
+
+
+# Whether XLA keeps one micro-batch's activations when the unrolled micro-batches are ordered by
+# `lax.optimization_barrier` (measured with `memory_analysis()`: yes on JAX 0.12, no on 0.10.2).
+BARRIER_ORDERS_MICRO_BATCHES = jax.__version_info__ >= (0, 12)
+
+
+def accumulate_grads(grads_fn: Callable, variables: PyTree, images: jax.Array, labels: jax.Array,
+                     micro_batches: int, *, stateful: bool = False) -> tuple[jax.Array, PyTree, PyTree]:
+    """Sums `grads_fn` over `micro_batches` equal parts of a device's shard, one part after another.
+
+    The loss is a sum, so the summed gradients of the parts are the gradient of the whole shard: the
+    allreduce and the update that follow are those of one step on the whole batch. Only one part's
+    activations are alive at a time: the parts are unrolled, each read through `lax.optimization_barrier`
+    with the running sum, so XLA cannot start part t before part t−1's gradients exist (a `lax.scan`
+    would bound memory too, but XLA's CPU convolutions run ~10x slower inside a loop). JAX 0.10's XLA
+    ignores that order when it assigns buffers, so there the parts run in a `lax.scan`. A stateful
+    model's state (BatchNorm statistics) is threaded from each part to the next, as N steps would.
+
+    Args:
+      grads_fn: (variables, images, labels) -> (summed loss, gradients, new state or None).
+      variables: the params, or {"params", "state"} if `stateful`.
+      images, labels: this device's shard, n rows.
+      micro_batches: N, which must divide n.
+
+    Returns:
+      (loss summed over the shard, gradients summed over the shard, the last part's state or None).
+
+    Raises:
+      ConfigError: if n does not split into `micro_batches` equal parts.
+    """
+    n = images.shape[0]
+    if n % micro_batches:
+        raise ConfigError(
+            f"`--accumulate {micro_batches}` cuts each device's {n} rows into {micro_batches} equal micro-batches, "
+            f"which {n} does not allow: use a `--batch-size` that is a multiple of devices × {micro_batches}."
+        )
+    parts = jax.tree.map(lambda a: a.reshape(micro_batches, n // micro_batches, *a.shape[1:]), (images, labels))
+
+    def add_part(carry, part):
+        loss_sum, grad_sum, variables = carry
+        loss, grads, state = grads_fn(variables, *part)
+        variables = {**variables, "state": state} if stateful else variables
+        return loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), variables  # 0 + g is g exactly
+
+    zeros = jax.tree.map(jnp.zeros_like, variables["params"] if stateful else variables)
+    carry = (jnp.zeros((), jnp.float32), zeros, variables)
+    if BARRIER_ORDERS_MICRO_BATCHES:
+        for t in range(micro_batches):  # unrolled
+            part = jax.tree.map(lambda a: a[t], parts)
+            # part t is read only once part t−1's gradients exist
+            grad_sum, part = lax.optimization_barrier((carry[1], part))
+            carry = add_part((carry[0], grad_sum, carry[2]), part)
+    else:
+        carry, _ = lax.scan(lambda carry, part: (add_part(carry, part), None), carry, parts)
+    loss, grads, variables = carry
+    return loss, grads, variables["state"] if stateful else None
 
 
 def _outside_step(grads_fn, allreduce: Allreduce, update_fn, segment) -> TrainStep:

@@ -18,6 +18,7 @@ import os
 import re
 import secrets
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -165,13 +166,15 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def load(path: str | os.PathLike, target: PyTree) -> Checkpoint:
+def load(path: str | os.PathLike, target: PyTree, check: Callable[[dict[str, Any]], None] | None = None) -> Checkpoint:
     """Reads and verifies one checkpoint, restoring its arrays into the structure of `target`.
 
     Args:
       path: a checkpoint file.
       target: a pytree with the structure, shapes and dtypes the arrays must have (e.g. freshly
         initialised params and optimizer state); its values are not used.
+      check: called with the run's description before the arrays are fitted to `target`, to
+        refuse a checkpoint by the setting that differs rather than by the first array that does.
 
     Raises:
       DataError: if the file is not a complete, intact jdp checkpoint.
@@ -193,6 +196,8 @@ def load(path: str | os.PathLike, target: PyTree) -> Checkpoint:
         info, saved = json.loads(content["info"]), content["arrays"]
     except (ValueError, KeyError, TypeError) as e:  # msgpack's and json's errors derive from ValueError
         raise DataError(f"{path} cannot be decoded as a jdp checkpoint: {e}") from None
+    if check is not None:
+        check(info)
     _check_fits(path, saved, serialization.to_state_dict(target))
     return Checkpoint(path, int(match.group(1)), serialization.from_state_dict(target, saved), info)
 
@@ -215,7 +220,8 @@ def _check_fits(path: Path, saved: PyTree, target: PyTree) -> None:
             )
 
 
-def restore_latest(directory: str | os.PathLike, target: PyTree) -> Checkpoint | None:
+def restore_latest(directory: str | os.PathLike, target: PyTree,
+                   check: Callable[[dict[str, Any]], None] | None = None) -> Checkpoint | None:
     """The newest checkpoint in `directory` that loads intact, or None if there is none.
 
     A damaged newer checkpoint is skipped with a logged warning in favour of an older intact one.
@@ -227,7 +233,7 @@ def restore_latest(directory: str | os.PathLike, target: PyTree) -> Checkpoint |
     problems = []
     for path in list_checkpoints(directory):
         try:
-            found = load(path, target)
+            found = load(path, target, check)
         except DataError as e:
             problems.append(str(e))
             continue

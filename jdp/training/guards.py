@@ -133,7 +133,8 @@ class Watch:
       check_replicas: compare all replicas every this many steps; None: never.
       lag: how many calls a finite check may stay unread.
       same: params -> the part of them every device must hold identically (default: all of them).
-      same_opt_state: the same for the optimizer state (default: all of it).
+      same_opt_state: the same for the optimizer state (a sharded one holds a different slice on
+        each device: only its scalars, such as AdamW's step count, are compared).
     """
 
     def __init__(self, params: PyTree, check_replicas: int | None = None, lag: int = 2,

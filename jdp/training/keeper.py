@@ -10,7 +10,7 @@ import numpy as np
 from jdp.errors import ConfigError
 from jdp.parallel.layout import to_host
 from jdp.training.checkpoint import path_for, restore_latest, save
-from jdp.training.resume import check_resumable
+from jdp.training.resume import check_resumable, check_same_state
 
 PyTree = Any
 
@@ -35,15 +35,16 @@ class Keeper:
       watch: the guards to run after every call (see `jdp.training.guards.Watch`).
       host_copy: replicated device arrays -> this process's host copy (e.g. `jdp.unreplicate`).
       data_key: the key data of the run's data-order PRNG key (saved with every checkpoint).
-      opt_state_copy: the optimizer state's host copy, if not `host_copy` (per-device parts in it).
+      opt_host_copy: the optimizer state on the devices -> its host form; None: `host_copy` (a
+        sharded state is gathered instead, see `jdp.parallel.zero.gather_state`).
     """
 
     def __init__(self, directory: str | os.PathLike | None, every: int | None, run: dict[str, Any] | None,
                  steps_per_epoch: int, watch: Any, host_copy: Any, data_key: np.ndarray,
-                 opt_state_copy: Any = None) -> None:
+                 opt_host_copy: Any = None) -> None:
+        self._opt_host_copy = opt_host_copy or host_copy
         self.directory, self.every, self.run, self.data_key = directory, every, run, data_key
         self.steps_per_epoch, self.watch, self._host_copy = steps_per_epoch, watch, host_copy
-        self._opt_state_copy = host_copy if opt_state_copy is None else opt_state_copy
         self.step, self.epoch, self.batches_done = 0, 1, 0
         self.history: list[dict[str, Any]] = []
         self._loss_sum, self._losses = np.float32(0.0), []
@@ -57,7 +58,7 @@ class Keeper:
             after `epochs`.
           DataError: if no checkpoint is intact.
         """
-        found = restore_latest(self.directory, target)
+        found = restore_latest(self.directory, target, check=lambda info: check_same_state(info["run"], self.run))
         if found is None:
             log.info("no checkpoint in %s yet: starting at step 0", self.directory)
             return target
@@ -108,7 +109,7 @@ class Keeper:
             return
         self.watch.flush()  # never save a non-finite value
         params, opt_state = state
-        arrays = {"params": self._host_copy(params), "opt_state": self._opt_state_copy(opt_state),
+        arrays = {"params": self._host_copy(params), "opt_state": self._opt_host_copy(opt_state),
                   "data_key": self.data_key}
         info = {
             "position": {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,

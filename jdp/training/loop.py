@@ -9,7 +9,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -19,11 +19,12 @@ from jdp.data import Dataset
 from jdp.errors import ConfigError, check_positive
 from jdp.models import Model
 from jdp.parallel import compress as compress_lib
+from jdp.parallel import zero
 from jdp.parallel.allreduce import Allreduce
 from jdp.parallel.layout import check_backend, check_divisible, replicate, to_host, unreplicate
 from jdp.parallel.step import make_train_step
 from jdp.runtime.devices import AXIS
-from jdp.training import checkpoint, guards
+from jdp.training import checkpoint, guards, optimizers
 from jdp.training.evaluate import make_evaluator
 from jdp.training.feeders import make_epoch_runner
 from jdp.training.keeper import Keeper
@@ -53,10 +54,15 @@ class TrainConfig:
     backend: str = "pmap"  # "pmap" or "shard_map": how the step is mapped over the devices (jdp.parallel.step)
     compress: str = "none"  # a mode of jdp.parallel.compress.MODES: none, bf16, fp16, bf16-wire, fp16-wire, powersgd
     powersgd_rank: int | None = None  # with compress "powersgd": the rank of its factors; None: 1
+    optimizer: str = "sgd"  # "sgd" (the lesson's), "momentum" or "adamw" (jdp.training.optimizers)
+    momentum: float | None = None  # for "momentum": the trace's decay; None: 0.9
+    weight_decay: float | None = None  # sgd/momentum: L2 (None: none); adamw: decoupled (None: 1e-4)
+    accumulate: int = 1  # micro-batches per device per step, gradients summed before the one allreduce
+    shard_optimizer: bool = False  # ZeRO: optimizer state and reduced gradients split over the devices
 
     def validate(self) -> None:
         """Raises ConfigError naming the first bad field."""
-        for name in ("batch_size", "epochs", "steps_per_call"):
+        for name in ("batch_size", "epochs", "steps_per_call", "accumulate"):
             check_positive(f"--{name.replace('_', '-')}", getattr(self, name))
         if self.warmup_steps < 0:
             raise ConfigError(f"`--warmup-steps` must be >= 0, got {self.warmup_steps}.")
@@ -72,6 +78,17 @@ class TrainConfig:
             )
         self.strategy()
         check_backend(self.backend)
+        self.build_optimizer()
+        if self.shard_optimizer:
+            if self.fuse:
+                raise ConfigError("`--shard-optimizer` already ravels the gradients into one buffer per dtype; "
+                                  "drop `--fuse`/`--bucket-mb`.")
+            zero.get(self.allreduce if isinstance(self.allreduce, str) else self.allreduce.name)
+
+    def build_optimizer(self) -> optax.GradientTransformation:
+        """The optax optimizer of `optimizer`, `momentum`, `weight_decay`, on the lr schedule."""
+        return optimizers.make(self.optimizer, learning_rate(self), momentum=self.momentum,
+                               weight_decay=self.weight_decay)
 
     def build_model(self) -> Model:
         """`model` itself, or the registered model of that name built with `model_impl` and `batchnorm`."""
@@ -110,6 +127,11 @@ def learning_rate(config: TrainConfig) -> float | optax.Schedule:
 def check_fits(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device]) -> None:
     """Raises ConfigError if the batch cannot be split over `devices` or exceeds the train set."""
     check_divisible(config.batch_size, len(devices))
+    if config.batch_size % (len(devices) * config.accumulate):
+        raise ConfigError(
+            f"`--batch-size {config.batch_size}` does not split into {len(devices)} devices × `--accumulate "
+            f"{config.accumulate}` equal micro-batches; use a multiple of {len(devices) * config.accumulate}."
+        )
     if config.batch_size > len(dataset.train.labels):
         raise ConfigError(
             f"`--batch-size {config.batch_size}` exceeds the {len(dataset.train.labels)} training images."
@@ -157,30 +179,31 @@ def train(
     if check_replicas is not None:
         check_positive("--check-replicas", check_replicas, "number of steps")
     init_key, data_key = jax.random.split(jax.random.key(config.seed))
-    optimizer = optax.sgd(learning_rate(config))  # the lesson's SGD, on the full batch's mean gradient
+    optimizer = config.build_optimizer()  # the lesson's SGD by default, on the full batch's mean gradient
     model = config.build_model()
     params = model.init(init_key)
     steps_per_epoch = len(dataset.train.labels) // config.batch_size
     if profile is not None:
         check_window(profile.first, profile.last, steps_per_epoch * config.epochs)
     strategy = config.strategy()
+    layout = _opt_state_layout(config, optimizer, strategy, models.trainable(model, params), devices)
     keeper = Keeper(
         checkpoint_dir, checkpoint_every,
         describe_run(config.to_dict(), dataset, len(devices)) if checkpoint_dir is not None else None,
         steps_per_epoch, guards.Watch(params, check_replicas, same=_same_on_every_device(model),
-                                      same_opt_state=_optimizer_part(strategy)),
+                                      same_opt_state=layout.same),
         lambda tree: unreplicate(tree, config.backend), jax.random.key_data(data_key),
-        opt_state_copy=_opt_state_copy(strategy, config.backend),
+        opt_host_copy=layout.host_copy,
     )
-    opt_state = _with_allreduce_state(strategy, optimizer.init(models.trainable(model, params)),
-                                      jax.random.fold_in(init_key, 1), models.trainable(model, params), len(devices))
+    opt_state = _initial_opt_state(config, optimizer, strategy, models.trainable(model, params),
+                                   jax.random.fold_in(init_key, 1), len(devices))
     arrays = {"params": params, "opt_state": opt_state, "data_key": keeper.data_key}
     if resume:
         arrays = keeper.resume(arrays, config.epochs)
     data_key = jax.random.wrap_key_data(arrays["data_key"])
-    state = (replicate(arrays["params"], devices, config.backend),
-             _place_opt_state(strategy, arrays["opt_state"], devices, config.backend))
+    state = replicate(arrays["params"], devices, config.backend), layout.place(arrays["opt_state"])
     step = make_train_step(model.loss, optimizer, strategy, devices, backend=config.backend, stateful=model.stateful,
+                           accumulate=config.accumulate, shard_optimizer=config.shard_optimizer,
                            **({} if profile is None else {"segment": profile.segment}))
     evaluate = make_evaluator(model.apply, devices, on_all_devices=config.eval_on == "all", backend=config.backend)
     if model.per_replica_state:  # one set of statistics before evaluating and saving (see jdp.models)
@@ -227,44 +250,48 @@ def checkpoint_target(config: TrainConfig, device_count: int = 1) -> PyTree:
     """
     model = config.build_model()
     params = model.init(jax.random.key(0))
-    trainable = models.trainable(model, params)
-    opt_state = _with_allreduce_state(config.strategy(), optax.sgd(learning_rate(config)).init(trainable),
-                                      jax.random.key(0), trainable, device_count)
+    opt_state = _initial_opt_state(config, config.build_optimizer(), config.strategy(), models.trainable(model, params),
+                                   jax.random.key(0), device_count)
     return {"params": params, "opt_state": opt_state, "data_key": jax.random.key_data(jax.random.key(0))}
 
 
-# A stateful strategy's state (PowerSGD's error feedback) rides in opt_state beside the optimizer's
-# (see `jdp.make_train_step`); it differs between devices, so it is placed, saved and checked apart.
-
-
-def _with_allreduce_state(strategy: Allreduce, opt_state: PyTree, key: jax.Array, trainable: PyTree,
-                          device_count: int) -> PyTree:
-    """The host opt_state the step starts from: the optimizer's, with the strategy's state for every device."""
+def _initial_opt_state(config: TrainConfig, optimizer: optax.GradientTransformation, strategy: Allreduce,
+                       trainable: PyTree, key: jax.Array, device_count: int) -> PyTree:
+    """The optimizer state before step 1, in the host form checkpoints hold: flat when sharded (ZeRO); with a
+    stateful strategy's state (PowerSGD's error feedback) for every device beside the optimizer's."""
+    if config.shard_optimizer:
+        return zero.host_state(optimizer, trainable)
     if strategy.init is None:
-        return opt_state
-    return {"optimizer": opt_state, "allreduce": compress_lib.init_state(strategy, key, trainable, device_count)}
+        return optimizer.init(trainable)
+    return {"optimizer": optimizer.init(trainable),
+            "allreduce": compress_lib.init_state(strategy, key, trainable, device_count)}
 
 
-def _place_opt_state(strategy: Allreduce, opt_state: PyTree, devices: Sequence[jax.Device], backend: str) -> PyTree:
-    if strategy.init is None:
-        return replicate(opt_state, devices, backend)
-    return {"optimizer": replicate(opt_state["optimizer"], devices, backend),
-            "allreduce": compress_lib.place_state(opt_state["allreduce"], devices)}
+class _OptStateLayout(NamedTuple):
+    """Where the optimizer state lives: replicated like the params, split over the devices (ZeRO), or
+    replicated beside a stateful strategy's per-device state (see `jdp.make_train_step`)."""
+
+    place: Callable[[PyTree], PyTree]  # host form -> on the devices
+    host_copy: Callable[[PyTree], PyTree]  # on the devices -> host form
+    same: Callable[[PyTree], PyTree]  # the part every device must hold identically (the replica check)
 
 
-def _opt_state_copy(strategy: Allreduce, backend: str) -> Callable[[PyTree], PyTree]:
-    """What a checkpoint saves of opt_state: one copy of the optimizer's state, every device's strategy state."""
-    if strategy.init is None:
-        return lambda opt_state: unreplicate(opt_state, backend)
-    return lambda opt_state: {"optimizer": unreplicate(opt_state["optimizer"], backend),
-                              "allreduce": jax.tree.map(to_host, opt_state["allreduce"])}
-
-
-def _optimizer_part(strategy: Allreduce) -> Callable[[PyTree], PyTree]:
-    """What the replica check compares of opt_state: all but a stateful strategy's per-device state."""
-    if strategy.init is None:
-        return lambda opt_state: opt_state
-    return lambda opt_state: opt_state["optimizer"]
+def _opt_state_layout(config: TrainConfig, optimizer: optax.GradientTransformation, strategy: Allreduce,
+                      trainable: PyTree, devices: Sequence[jax.Device]) -> _OptStateLayout:
+    k = len(devices)
+    if config.shard_optimizer:
+        return _OptStateLayout(lambda state: zero.shard_state(optimizer, state, trainable, devices),
+                               lambda state: zero.gather_state(optimizer, state, trainable, k),
+                               lambda state: zero.replicated_part(optimizer, state, trainable, k))
+    if strategy.init is not None:  # its state differs between devices: placed, saved and checked apart
+        return _OptStateLayout(
+            lambda state: {"optimizer": replicate(state["optimizer"], devices, config.backend),
+                           "allreduce": compress_lib.place_state(state["allreduce"], devices)},
+            lambda state: {"optimizer": unreplicate(state["optimizer"], config.backend),
+                           "allreduce": jax.tree.map(to_host, state["allreduce"])},
+            lambda state: state["optimizer"])
+    return _OptStateLayout(lambda state: replicate(state, devices, config.backend),
+                           lambda state: unreplicate(state, config.backend), lambda state: state)
 
 
 def _name(choice: str | Model | Allreduce) -> str:

@@ -16,6 +16,10 @@ from jdp.errors import ConfigError
 # What a resumed run must share with the checkpoint: the data order is a permutation per epoch drawn
 # from the seed, walked in batches of batch_size, so `position` means nothing under other values.
 MUST_MATCH = ("batch_size", "seed")
+# What a resumed run must share with the checkpoint because it defines the optimizer state's arrays.
+SAME_STATE = ("optimizer", "shard_optimizer")
+# Settings added after the first checkpoints were written, with the value those runs had.
+ADDED = {"optimizer": "sgd", "momentum": None, "weight_decay": None, "accumulate": 1, "shard_optimizer": False}
 # What may change without a note: how many epochs to run, and how the test set is evaluated.
 FREE = ("epochs", "eval_on")
 
@@ -36,6 +40,31 @@ def describe_run(config: dict[str, Any], dataset: Any, device_count: int) -> dic
         "dataset": dataset_fingerprint(dataset),
         "jax_version": jax.__version__,
     }
+
+
+def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuses a checkpoint whose optimizer state is of another kind (`--optimizer`, `--shard-optimizer`).
+
+    Checked before the arrays are read, so the error names the flag, not the first array that differs.
+    The device count may change under `--shard-optimizer`: the state is stored unsliced (`jdp.parallel.zero`).
+
+    Raises:
+      ConfigError: naming the setting that differs.
+    """
+    old, new = {**ADDED, **saved["config"]}, {**ADDED, **current["config"]}
+    for name in SAME_STATE:
+        if old[name] != new[name]:
+            raise ConfigError(
+                f"This run has {_shown(name, new[name])} but the checkpoint has {_shown(name, old[name])}: their "
+                "optimizer states hold other arrays. Resume with the checkpoint's setting, or pass a new "
+                "`--checkpoint-dir`."
+            )
+
+
+def _shown(name: str, value: Any) -> str:
+    if name == "optimizer":
+        return f"`--optimizer {value}`"
+    return "`--shard-optimizer`" if value else "no `--shard-optimizer`"
 
 
 def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -65,7 +94,7 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
             f"{have['sha256'][:12]}…) than this run's ({want['train']}, {want['sha256'][:12]}…). Resume with the "
             "same `--dataset`, `--data-dir` and `--seed`, or pass a new `--checkpoint-dir`."
         )
-    old, new = saved["config"], current["config"]
+    old, new = {**ADDED, **saved["config"]}, {**ADDED, **current["config"]}
     for name in MUST_MATCH:
         if old.get(name) != new.get(name):
             raise ConfigError(
