@@ -11,6 +11,7 @@ BIN := $(VENV)/bin
 DATA_DIR ?= $(firstword $(wildcard $(JDP_DATA_DIR) ../shared/data/fashion-mnist))
 RUN_ARGS ?= --cpu-devices 2 --out runs/main $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 PYTEST_ARGS ?=
+TEST_WORKERS ?= -n 2  # the fast tier on 2 pytest-xdist workers; TEST_WORKERS= runs it in one process
 
 .PHONY: run test test-all install clean
 
@@ -28,7 +29,7 @@ run: install
 	$(BIN)/jdp train $(RUN_ARGS)
 
 test: install  # the fast tier: minutes
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-all: install  # every test: multi-process jobs, kill-and-resume, long loops, ResNet-18, experiments
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

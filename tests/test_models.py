@@ -76,6 +76,7 @@ def device_copy(tree, i):
     return jax.tree.map(lambda a: np.asarray(a)[i], tree)
 
 
+@pytest.mark.slow
 def test_flax_lenet_equals_the_from_scratch_one_given_the_same_params(batches):
     params = lenet.init(jax.random.key(0))
     params = jax.tree.map(lambda w: w * 30, params)  # big weights: logits far from zero
@@ -134,7 +135,7 @@ def test_sync_batchnorm_on_k_devices_equals_one_device_on_the_full_batch(name, s
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", [pytest.param("resnet18", marks=pytest.mark.slow), "tiny"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in ("resnet18", "tiny")])
 def test_per_replica_batchnorm_normalises_each_shard_on_its_own(name, devices, batches):
     """Per-replica BN on k devices is NOT the full-batch result: device i's statistics are those of
     one device stepping on shard i alone, and the update is the allreduced sum of the shards'

@@ -66,7 +66,7 @@ def test_parity_test_catches_a_mean_instead_of_sum(devices, batches):
         chex.assert_trees_all_close(unreplicate(p), single_device_full_batch(batches), rtol=1e-5, atol=1e-8)
 
 
-@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 3, 8])
 def test_multi_device_eval_equals_single_device(k, devices):
     ds = data.synthetic(jax.random.key(2), n_train=16, n_test=1001)  # 1001: not a multiple of any batch
     params = lenet.init(jax.random.key(3))
@@ -82,6 +82,7 @@ def test_multi_device_eval_equals_single_device(k, devices):
     assert 0.0 < expected < 1.0
 
 
+@pytest.mark.slow
 def test_thousand_psum_steps_on_eight_devices_do_not_hang(devices):
     """JAX <= 0.11 on 2 cores freezes if psum steps pile up unsynchronised; the window prevents it."""
     ds = data.synthetic(jax.random.key(4), n_train=64, n_test=8)
