@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from jdp.bench import baselines
 from jdp.bench import train as bench_train
 
 
@@ -33,15 +34,59 @@ def test_quick_bench_end_to_end(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("jdp bench train: LeNet (fast), global batch 256")
-    assert lines[2].split()[0] == "1" and lines[3].startswith("matmul peak")
+    assert lines[2].split()[:2] == ["float32", "1"] and lines[3].split()[:2] == ["bf16", "1"]
+    assert lines[4].startswith("matmul peak (GFLOP/s): float32 ") and ", bf16 " in lines[4]
     record = json.loads((tmp_path / "bench_train.json").read_text())
-    assert [r["devices"] for r in record["results"]] == [1]
+    assert [(r["precision"], r["devices"]) for r in record["results"]] == [("float32", 1), ("bf16", 1)]
     for r in record["results"]:
         assert len(r["epoch_s"]) == len(r["floor_s"]) == 1
         assert r["overhead"] == pytest.approx(r["epoch_s"][0] / r["floor_s"][0])
         assert r["overhead_cpu"] == pytest.approx(r["epoch_cpu_s"][0] / r["floor_cpu_s"][0])
         assert r["images_per_s"] == pytest.approx(2 * 256 / r["epoch_s"][0])
         assert 0 < r["fraction_of_peak"] < 1
-    assert record["results"][0]["vs_1_device"] == 1.0
+    assert [r["vs_1_device"] for r in record["results"]] == [1.0, 1.0]
     assert set(record["targets"]) == set(bench_train.TARGETS)
-    assert record["matmul_peak_flops"] > 1e9 and record["machine"]["jax_version"]
+    assert set(record["matmul_peak_flops"]) == {"float32", "bf16"}
+    assert min(record["matmul_peak_flops"].values()) > 1e9 and record["machine"]["jax_version"]
+
+
+def test_bad_precision_list_is_refused_by_name():
+    done = subprocess.run([sys.executable, "-m", "jdp", "bench", "train", "--dataset", "synthetic", "--precision",
+                           "float32,fp8"], check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "`--precision` must be one of float32, bf16, got `fp8`" in done.stderr
+
+
+BASE = baselines.Baseline(machine="test box", cpu="Test CPU", host_cpus=2, device_kind="cpu",
+                          float32_images_per_s={1: 1000.0, 2: 1500.0}, lesson_images_per_s=500.0,
+                          measured="today", source="nowhere")
+
+
+class FakeDevice:
+    device_kind = "cpu"
+
+
+def test_baseline_is_found_by_machine_kind_and_settings(monkeypatch):
+    monkeypatch.setattr(baselines, "BASELINES", (BASE,))
+    here = {"cpu": "Test CPU", "host_cpus": 2}
+    assert baselines.find(here, FakeDevice(), batch_size=256, model_impl="fast") == BASE
+    assert baselines.find({**here, "host_cpus": 4}, FakeDevice(), batch_size=256, model_impl="fast") is None
+    assert baselines.find(here, FakeDevice(), batch_size=128, model_impl="fast") is None
+    assert baselines.find(here, FakeDevice(), batch_size=256, model_impl="reference") is None
+    assert baselines.ratio(BASE, 2, 3000.0) == 2.0 and baselines.ratio(BASE, 8, 3000.0) is None
+    assert baselines.ratio(None, 1, 3000.0) is None
+
+
+def test_table_shows_each_precision_and_the_ratios():
+    def result(name, k, images_per_s, vs_base):
+        return {"precision": name, "devices": k, "epoch_s": [1.0], "floor_s": [1.0], "overhead": 1.0,
+                "overhead_cpu": 1.0, "images_per_s": images_per_s, "floor_images_per_s": images_per_s,
+                "sec_per_epoch": 60000 / images_per_s, "achieved_flops": 1e9, "fraction_of_peak": 0.5,
+                "vs_1_device": 1.0, "vs_baseline": vs_base, "vs_lesson": images_per_s / 500.0}
+
+    record = {"results": [result("float32", 1, 1000.0, 1.0), result("bf16", 1, 2000.0, 2.0)],
+              "matmul_peak_flops": {"float32": 1e11, "bf16": 2e11}, "flops_per_image": 13.5e6,
+              "baseline": BASE._asdict(), "targets": {}}
+    lines = bench_train.format_table(record, "header").splitlines()
+    assert lines[2].split()[:2] == ["float32", "1"] and lines[2].split()[-2:] == ["1.00x", "2.00x"]
+    assert lines[3].split()[:2] == ["bf16", "1"] and lines[3].split()[-2:] == ["2.00x", "4.00x"]
+    assert "float32 100.0, bf16 200.0" in lines[4] and "test box" in lines[5] and "(500 img/s)" in lines[5]

@@ -1,15 +1,17 @@
 """`jdp bench train`: jdp's training epoch against the compute floor, measured in one run.
 
-For each device count k (1, 2 and all of them) at the same global batch:
+For each precision (float32, bf16) and device count k (1, 2 and all of them) at the same global batch:
 
 (a) epoch: jdp's training loop (`jdp.training.feeders.make_epoch_runner` driving `jdp.make_train_step`,
     exactly what `jdp train` times) over `--steps` batches of the training set;
 (b) floor: the same compiled step called `--steps` times on one batch already on the devices, with the
     same bounded in-flight window: all the loop could hope for;
 (c) overhead = a / b; (d) images/s of (a);
-(e) achieved FLOP/s = the lesson's model FLOPs per image × images/s, as a fraction of a float32 matmul
-    peak measured in the same run;
-(f) each k's epoch time relative to 1 device's.
+(e) achieved FLOP/s = the lesson's model FLOPs per image × images/s, as a fraction of a matmul peak of
+    the same precision measured in the same run;
+(f) each k's epoch time relative to 1 device's (same precision);
+(g) images/s relative to the committed float32 baseline of this machine kind (`jdp.bench.baselines`),
+    and to the lesson's PyTorch code measured on that machine kind, where one is committed.
 
 The rounds alternate epoch and floor and each keeps its fastest, so load from other processes
 on a shared machine biases both alike; compare ratios from one run, not absolute figures.
@@ -25,11 +27,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jdp import data
+from jdp import data, models
+from jdp.bench import baselines
 from jdp.bench.machine import machine
 from jdp.cli.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
 from jdp.errors import ConfigError, check_positive
-from jdp.models import lenet, summed_cross_entropy
+from jdp.models import lenet, precision
 from jdp.models.lenet_fast import IMPLEMENTATIONS
 from jdp.parallel.inflight import repeat_step
 from jdp.parallel.layout import replicate, split_batch
@@ -55,6 +58,8 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating epoch/floor rounds per device count (min kept)")
     p.add_argument("--model-impl", default="fast", choices=list(IMPLEMENTATIONS), help="LeNet formulation")
     p.add_argument("--steps-per-call", type=int, default=1, metavar="S", help="train steps per compiled call")
+    p.add_argument("--precision", default="float32,bf16", metavar="P[,P]",
+                   help=f"compute precisions to time, comma-separated, each a row per device count ({', '.join(precision.PRECISIONS)})")
     p.add_argument("--dataset", default="fashion_mnist", choices=["fashion_mnist", "synthetic"],
                    help="training images to time on (their values do not change the timing)")
     p.add_argument("--data-dir", default=None, help="folder with the four IDX files (default: as `jdp train`)")
@@ -75,9 +80,10 @@ def flops_per_image() -> float:
     return 3 * 2 * float(conv1 + conv2 + dense)
 
 
-def matmul_peak(device: jax.Device, n: int = 1024, repeats: int = 10) -> float:
-    """Best float32 FLOP/s of an n×n by n×n matmul on `device`, compiled and warmed up first."""
-    a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n)), device)
+def matmul_peak(device: jax.Device, n: int = 1024, repeats: int = 10, precision_name: str = "float32") -> float:
+    """Best FLOP/s of an n×n by n×n matmul in `precision_name`'s dtype on `device`, compiled and warmed up first."""
+    dtype = precision.PRECISIONS[precision_name] or jnp.float32
+    a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n)).astype(dtype), device)
     matmul = jax.jit(jnp.matmul)
     jax.block_until_ready(matmul(a, a))
     best = float("inf")
@@ -97,15 +103,17 @@ def measure(
     rounds: int,
     model_impl: str = "fast",
     steps_per_call: int = 1,
+    precision_name: str = "float32",
 ) -> dict[str, Any]:
-    """Seconds of `steps` steps of jdp's epoch loop and of the compute floor, on `devices`.
+    """Seconds of `steps` steps of jdp's epoch loop and of the compute floor, on `devices`, in `precision_name`.
 
     Returns:
       {"epoch_s", "floor_s", "epoch_cpu_s", "floor_cpu_s"}: one wall-clock and one CPU time (this
       process, all threads) per round each, after a warm-up of both.
     """
     optimizer = optax.sgd(0.2)
-    step = make_train_step(summed_cross_entropy(IMPLEMENTATIONS[model_impl]), optimizer, "psum", devices)
+    model = precision.mixed(models.get("lenet", impl=model_impl), precision_name)
+    step = make_train_step(model.loss, optimizer, "psum", devices)
     part = data.Split(split.images[:steps * batch_size], split.labels[:steps * batch_size])
     run_epoch = make_epoch_runner(step, part, devices, batch_size, steps_per_call=steps_per_call)
     x, y = split_batch(part.images[:batch_size], part.labels[:batch_size], devices)
@@ -139,31 +147,44 @@ def bench_train(
     rounds: int = 3,
     model_impl: str = "fast",
     steps_per_call: int = 1,
+    precisions: Sequence[str] = ("float32",),
+    baseline: baselines.Baseline | None = None,
 ) -> dict[str, Any]:
-    """Measures 1, 2 and len(devices) devices (those dividing `batch_size`) and derives the ratios.
+    """Measures 1, 2 and len(devices) devices (those dividing `batch_size`) in each precision, and the ratios.
+
+    The precisions alternate within each device count, so load from other processes biases them alike.
 
     Returns:
-      {"matmul_peak_flops", "flops_per_image", "results": [one row per device count], "targets"}.
+      {"matmul_peak_flops": {precision: FLOP/s}, "flops_per_image", "results": [one row per precision and
+      device count], "targets" (on the float32 rows, if any), "baseline" (the committed one used, or None)}.
     """
     counts = sorted({k for k in (1, 2, len(devices)) if k <= len(devices) and batch_size % k == 0})
-    peak = matmul_peak(devices[0])
+    peaks = {name: matmul_peak(devices[0], precision_name=name) for name in precisions}
     per_image = flops_per_image()
     rows = []
     for k in counts:
-        times = measure(devices[:k], split, batch_size=batch_size, steps=steps, rounds=rounds,
-                        model_impl=model_impl, steps_per_call=steps_per_call)
-        epoch_s, floor_s = min(times["epoch_s"]), min(times["floor_s"])
-        images_per_s = steps * batch_size / epoch_s
-        rows.append({
-            "devices": k, **times, "overhead": epoch_s / floor_s,
-            "overhead_cpu": min(times["epoch_cpu_s"]) / min(times["floor_cpu_s"]), "images_per_s": images_per_s,
-            "floor_images_per_s": steps * batch_size / floor_s,
-            "sec_per_epoch": epoch_s / steps * (FULL_EPOCH_IMAGES // batch_size),
-            "achieved_flops": per_image * images_per_s, "fraction_of_peak": per_image * images_per_s / peak,
-        })
+        for name in precisions:
+            times = measure(devices[:k], split, batch_size=batch_size, steps=steps, rounds=rounds,
+                            model_impl=model_impl, steps_per_call=steps_per_call, precision_name=name)
+            epoch_s, floor_s = min(times["epoch_s"]), min(times["floor_s"])
+            images_per_s = steps * batch_size / epoch_s
+            rows.append({
+                "precision": name, "devices": k, **times, "overhead": epoch_s / floor_s,
+                "overhead_cpu": min(times["epoch_cpu_s"]) / min(times["floor_cpu_s"]), "images_per_s": images_per_s,
+                "floor_images_per_s": steps * batch_size / floor_s,
+                "sec_per_epoch": epoch_s / steps * (FULL_EPOCH_IMAGES // batch_size),
+                "achieved_flops": per_image * images_per_s, "fraction_of_peak": per_image * images_per_s / peaks[name],
+            })
     for row in rows:
-        row["vs_1_device"] = row["sec_per_epoch"] / rows[0]["sec_per_epoch"]
-    return {"matmul_peak_flops": peak, "flops_per_image": per_image, "results": rows, "targets": check_targets(rows)}
+        first = next(r for r in rows if r["precision"] == row["precision"])
+        row["vs_1_device"] = row["sec_per_epoch"] / first["sec_per_epoch"]
+        row["vs_baseline"] = baselines.ratio(baseline, row["devices"], row["images_per_s"])
+        row["vs_lesson"] = (None if baseline is None or baseline.lesson_images_per_s is None
+                            else row["images_per_s"] / baseline.lesson_images_per_s)
+    float32_rows = [r for r in rows if r["precision"] == "float32"]
+    return {"matmul_peak_flops": peaks, "flops_per_image": per_image, "results": rows,
+            "targets": check_targets(float32_rows) if float32_rows else {},
+            "baseline": None if baseline is None else baseline._asdict()}
 
 
 def check_targets(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -186,19 +207,33 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def format_table(record: dict[str, Any], header: str) -> str:
     """The results as a fixed-width text table, the targets below it."""
-    columns = (f"{'devices':>7} {'epoch s':>8} {'floor s':>8} {'overhead':>8} {'(cpu)':>6} {'img/s':>7} {'floor img/s':>11} "
-               f"{'s/epoch':>8} {'GFLOP/s':>8} {'of peak':>7} {'vs 1 dev':>8}")
+    columns = (f"{'precision':>9} {'devices':>7} {'epoch s':>8} {'floor s':>8} {'overhead':>8} {'(cpu)':>6} {'img/s':>7} "
+               f"{'floor img/s':>11} {'s/epoch':>8} {'GFLOP/s':>8} {'of peak':>7} {'vs 1 dev':>8} {'vs base':>7} "
+               f"{'vs lesson':>9}")
     lines = [header, columns]
+
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
     for r in record["results"]:
         lines.append(
-            f"{r['devices']:>7} {min(r['epoch_s']):>8.2f} {min(r['floor_s']):>8.2f} {r['overhead']:>8.3f} "
-            f"{r['overhead_cpu']:>6.3f} "
+            f"{r['precision']:>9} {r['devices']:>7} {min(r['epoch_s']):>8.2f} {min(r['floor_s']):>8.2f} "
+            f"{r['overhead']:>8.3f} {r['overhead_cpu']:>6.3f} "
             f"{r['images_per_s']:>7.0f} {r['floor_images_per_s']:>11.0f} {r['sec_per_epoch']:>8.2f} "
-            f"{r['achieved_flops'] / 1e9:>8.1f} {r['fraction_of_peak']:>7.1%} {r['vs_1_device']:>8.2f}"
+            f"{r['achieved_flops'] / 1e9:>8.1f} {r['fraction_of_peak']:>7.1%} {r['vs_1_device']:>8.2f} "
+            f"{ratio(r['vs_baseline']):>7} {ratio(r['vs_lesson']):>9}"
         )
-    lines.append(f"matmul peak {record['matmul_peak_flops'] / 1e9:.1f} GFLOP/s; "
-                 f"model {record['flops_per_image'] / 1e6:.2f} MFLOP/image (fwd+bwd); "
+    peaks = ", ".join(f"{name} {flops / 1e9:.1f}" for name, flops in record["matmul_peak_flops"].items())
+    lines.append(f"matmul peak (GFLOP/s): {peaks}; model {record['flops_per_image'] / 1e6:.2f} MFLOP/image (fwd+bwd); "
                  "(cpu): the overhead in this process's CPU time, less sensitive to other processes' load")
+    base = record["baseline"]
+    if base is None:
+        lines.append("vs base / vs lesson: no committed baseline for this machine kind and settings (jdp.bench.baselines)")
+    else:
+        lesson = base["lesson_images_per_s"]
+        lines.append(f"vs base / vs lesson: images/s over the committed float32 baseline of {base['machine']} "
+                     f"({base['measured']}) / over the lesson's PyTorch code there "
+                     + ("(not measured)" if lesson is None else f"({lesson:.0f} img/s)"))
     for name, t in record["targets"].items():
         lines.append(f"target {name} {t['target']}: measured {t['measured']:.3f} -> {'met' if t['met'] else 'NOT met'}")
     return "\n".join(lines)
@@ -207,6 +242,11 @@ def format_table(record: dict[str, Any], header: str) -> str:
 def run_train_bench(args: argparse.Namespace) -> int:
     for name in ("batch_size", "steps", "rounds", "steps_per_call"):
         check_positive(f"--{name.replace('_', '-')}", getattr(args, name))
+    precisions = [name.strip() for name in args.precision.split(",") if name.strip()]
+    if not precisions:
+        raise ConfigError("`--precision` needs at least one of " + ", ".join(precision.PRECISIONS) + ".")
+    for name in precisions:
+        precision.check(name)
     load_plugins(args.plugin)
     out = check_out_dir(args.out)
     devices = setup_devices(args)
@@ -218,8 +258,10 @@ def run_train_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"`--steps {args.steps}` × `--batch-size {args.batch_size}` exceeds the "
                           f"{len(split.labels)} training images; use at most {len(split.labels) // args.batch_size} steps.")
     before = machine()
+    baseline = baselines.find(before, devices[0], batch_size=args.batch_size, model_impl=args.model_impl)
     record = bench_train(devices, split, batch_size=args.batch_size, steps=args.steps, rounds=args.rounds,
-                         model_impl=args.model_impl, steps_per_call=args.steps_per_call)
+                         model_impl=args.model_impl, steps_per_call=args.steps_per_call, precisions=precisions,
+                         baseline=baseline)
     platform_name = devices[0].platform + (" (simulated)" if devices[0].platform == "cpu" and len(devices) > 1 else "")
     header = (f"jdp bench train: LeNet ({args.model_impl}), global batch {args.batch_size}, {args.dataset}, "
               f"{args.steps} steps per measurement, fastest of {args.rounds} rounds, {platform_name}, "

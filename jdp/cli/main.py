@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--model lenet's formulation: fast (jdp.models.lenet_fast) or the lesson's reference; same math")
     train.add_argument("--steps-per-call", type=int, default=1, metavar="S",
                        help="train steps per compiled call (unrolled); needs a collective allreduce strategy")
+    train.add_argument("--precision", default="float32", choices=["float32", "bf16"],
+                       help="compute dtype of the forward and backward passes; params, optimizer state, loss, "
+                       "gradients and their allreduce stay float32 (docs/performance.md)")
     train.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                        help="save params, optimizer and data-order state here (atomically; the last two kept)")
     train.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
@@ -87,10 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side in one run")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    from jdp.bench import allreduce, memory, step
+    from jdp.bench import allreduce, formulations, memory, step
     from jdp.bench import train as train_bench
 
-    for module in (allreduce, step, train_bench, memory):  # each benchmark adds its own subcommand
+    for module in (allreduce, step, train_bench, memory, formulations):  # each benchmark adds its own subcommand
         module.add_parser(benchmarks)
 
     from jdp.cli import compare
@@ -129,7 +132,7 @@ def run_train(args: argparse.Namespace) -> int:
                          steps_per_call=args.steps_per_call, backend=args.backend,
                          compress=args.compress, powersgd_rank=args.powersgd_rank,
                          optimizer=args.optimizer, momentum=args.momentum, weight_decay=args.weight_decay,
-                         accumulate=args.accumulate, shard_optimizer=args.shard_optimizer)
+                         accumulate=args.accumulate, shard_optimizer=args.shard_optimizer, precision=args.precision)
     config.validate()
     out = check_out_dir(args.out)
     checkpoint.check_options(args.checkpoint_dir, args.checkpoint_every, args.resume)

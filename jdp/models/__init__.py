@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax import lax
 
@@ -58,10 +59,13 @@ class Model(NamedTuple):
 
 
 def summed_cross_entropy(apply_fn: Callable[[PyTree, jax.Array], jax.Array]) -> Callable[..., jax.Array]:
-    """Softmax cross-entropy summed (not averaged) over the batch, as the lesson's `l.sum()`."""
+    """Softmax cross-entropy summed (not averaged) over the batch, as the lesson's `l.sum()`.
+
+    Computed in float32 whatever the logits' dtype (a bfloat16 forward pass under `--precision bf16`).
+    """
 
     def loss_fn(params: PyTree, images: jax.Array, labels: jax.Array) -> jax.Array:
-        logits = apply_fn(params, images)
+        logits = apply_fn(params, images).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum()
 
     return loss_fn
@@ -141,7 +145,7 @@ def batchnorm_model(module: Any) -> Model:
 
     def loss(params, state, images, labels):
         logits, state = module.apply({"params": params, **state}, images, train=True, mutable=["batch_stats"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum(), state
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).sum(), state
 
     def apply(variables, images):
         return module.apply({"params": variables["params"], **variables["state"]}, images, train=False)

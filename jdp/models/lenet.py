@@ -4,6 +4,8 @@ Layout follows the lesson (PyTorch): images NCHW, conv kernels OIHW, dense weigh
 This is the reference formulation that faster ones are tested against.
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -27,9 +29,34 @@ def init(key: jax.Array, scale: float = 0.01) -> Params:
     }
 
 
+def add_bias(y: jax.Array, b: jax.Array, axis: int = -1) -> jax.Array:
+    """`y + b` with `b` along `axis`. In float32 exactly that; in a lower precision (`--precision bf16`)
+    b's gradient is summed in float32: XLA's CPU reduction would add its ~10⁵ terms in bfloat16."""
+    if b.dtype == jnp.float32:
+        return y + jnp.expand_dims(b, [d for d in range(y.ndim) if d != axis % y.ndim])
+    return _add_bias_low(y, b, axis % y.ndim)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _add_bias_low(y: jax.Array, b: jax.Array, axis: int) -> jax.Array:
+    return y + jnp.expand_dims(b, [d for d in range(y.ndim) if d != axis])
+
+
+def _add_bias_low_fwd(y, b, axis):
+    return _add_bias_low(y, b, axis), None
+
+
+def _add_bias_low_bwd(axis, _, dy):
+    summed = jnp.sum(dy, axis=[d for d in range(dy.ndim) if d != axis], dtype=jnp.float32)
+    return dy, summed.astype(dy.dtype)
+
+
+_add_bias_low.defvjp(_add_bias_low_fwd, _add_bias_low_bwd)
+
+
 def _conv(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
     y = jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=("NCHW", "OIHW", "NCHW"))
-    return y + b[None, :, None, None]
+    return add_bias(y, b, axis=1)
 
 
 def _avg_pool(x: jax.Array) -> jax.Array:
@@ -43,6 +70,6 @@ def apply(params: Params, images: jax.Array) -> jax.Array:
     h = _avg_pool(jax.nn.relu(_conv(images, params["W1"], params["b1"])))
     h = _avg_pool(jax.nn.relu(_conv(h, params["W2"], params["b2"])))
     h = h.reshape(h.shape[0], -1)
-    h = jax.nn.relu(h @ params["W3"] + params["b3"])
-    return h @ params["W4"] + params["b4"]
+    h = jax.nn.relu(add_bias(h @ params["W3"], params["b3"]))
+    return add_bias(h @ params["W4"], params["b4"])
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jdp.models import lenet
-from jdp.models.lenet import Params
+from jdp.models.lenet import Params, add_bias
 
 _DIMS = ("NHWC", "HWIO", "NHWC")
 
@@ -69,12 +69,12 @@ def apply(params: Params, images: jax.Array) -> jax.Array:
     """Logits for NCHW images of shape (N, 1, 28, 28); equal to `jdp.models.lenet.apply`."""
     x = images.reshape(images.shape[0], 28, 28, 1)[:, :26, :26, :]  # C = 1: NCHW → NHWC is a reshape
     w1 = params["W1"].transpose(2, 3, 1, 0)  # OIHW → HWIO
-    h = _avg_pool(jax.nn.relu(conv_one_channel(x, w1) + params["b1"]))  # (N, 12, 12, 20)
+    h = _avg_pool(jax.nn.relu(add_bias(conv_one_channel(x, w1), params["b1"])))  # (N, 12, 12, 20)
     w2 = params["W2"].transpose(2, 3, 1, 0)
-    h = _avg_pool(jax.nn.relu(_conv(h, w2) + params["b2"]))  # (N, 4, 4, 50)
+    h = _avg_pool(jax.nn.relu(add_bias(_conv(h, w2), params["b2"])))  # (N, 4, 4, 50)
     w3 = params["W3"].reshape(50, 4, 4, -1).transpose(1, 2, 0, 3).reshape(800, -1)  # rows (c,h,w) → (h,w,c)
-    h = jax.nn.relu(h.reshape(h.shape[0], 800) @ w3 + params["b3"])
-    return h @ params["W4"] + params["b4"]
+    h = jax.nn.relu(add_bias(h.reshape(h.shape[0], 800) @ w3, params["b3"]))
+    return add_bias(h @ params["W4"], params["b4"])
 
 
 # `--model-impl` name -> apply function; both take the same params and images.

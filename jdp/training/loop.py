@@ -17,7 +17,7 @@ import optax
 from jdp import models
 from jdp.data import Dataset
 from jdp.errors import ConfigError, check_positive
-from jdp.models import Model
+from jdp.models import Model, precision
 from jdp.parallel import compress as compress_lib
 from jdp.parallel import zero
 from jdp.parallel.allreduce import Allreduce
@@ -59,6 +59,7 @@ class TrainConfig:
     weight_decay: float | None = None  # sgd/momentum: L2 (None: none); adamw: decoupled (None: 1e-4)
     accumulate: int = 1  # micro-batches per device per step, gradients summed before the one allreduce
     shard_optimizer: bool = False  # ZeRO: optimizer state and reduced gradients split over the devices
+    precision: str = "float32"  # "bf16": bfloat16 forward/backward, float32 params, loss, gradients (jdp.models.precision)
 
     def validate(self) -> None:
         """Raises ConfigError naming the first bad field."""
@@ -70,6 +71,7 @@ class TrainConfig:
             raise ConfigError(f"`--lr` must be positive, got {self.lr}.")
         if self.eval_on not in ("all", "device0"):
             raise ConfigError(f"`--eval-on` must be `all` or `device0`, got `{self.eval_on}`.")
+        precision.check(self.precision)
         model = self.build_model()
         if model.per_replica_state and self.backend != "pmap":
             raise ConfigError(
@@ -91,12 +93,13 @@ class TrainConfig:
                                weight_decay=self.weight_decay)
 
     def build_model(self) -> Model:
-        """`model` itself, or the registered model of that name built with `model_impl` and `batchnorm`."""
+        """`model` itself, or the registered model of that name built with `model_impl` and `batchnorm`;
+        computing in `precision`."""
         if isinstance(self.model, Model):
             if self.batchnorm is not None:
                 raise ConfigError("`batchnorm` selects a built-in model's BatchNorm; your own `Model` defines its own.")
-            return self.model
-        return models.get(self.model, impl=self.model_impl, batchnorm=self.batchnorm)
+            return precision.mixed(self.model, self.precision)
+        return precision.mixed(models.get(self.model, impl=self.model_impl, batchnorm=self.batchnorm), self.precision)
 
     def strategy(self) -> Allreduce:
         """The allreduce strategy, fused and compressed if asked."""

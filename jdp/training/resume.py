@@ -19,7 +19,8 @@ MUST_MATCH = ("batch_size", "seed")
 # What a resumed run must share with the checkpoint because it defines the optimizer state's arrays.
 SAME_STATE = ("optimizer", "shard_optimizer")
 # Settings added after the first checkpoints were written, with the value those runs had.
-ADDED = {"optimizer": "sgd", "momentum": None, "weight_decay": None, "accumulate": 1, "shard_optimizer": False}
+ADDED = {"optimizer": "sgd", "momentum": None, "weight_decay": None, "accumulate": 1, "shard_optimizer": False,
+         "precision": "float32"}
 # What may change without a note: how many epochs to run, and how the test set is evaluated.
 FREE = ("epochs", "eval_on")
 

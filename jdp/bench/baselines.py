@@ -1,0 +1,55 @@
+"""Committed float32 baselines of `jdp bench train`, one per machine kind, to report speed-ups against.
+
+A baseline is what `jdp bench train` measured for float32 (global batch 256, the fast LeNet) on one
+kind of machine, and the lesson's own PyTorch code timed there in the same hour. The bench prints
+every row's images/s over these, so a change to the step shows up as a ratio on the machine the
+baseline came from. Absolute speeds on shared machines drift; rerun the baseline's command (its
+`source` folder holds the raw output) when a machine kind's figures look off, and commit it here.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+
+
+class Baseline(NamedTuple):
+    machine: str  # how tables name it
+    cpu: str  # /proc/cpuinfo's model name, as `jdp.bench.machine.machine()` records it
+    host_cpus: int
+    device_kind: str  # jax's `device.device_kind` ("cpu", "NVIDIA H200", ...)
+    float32_images_per_s: dict[int, float]  # devices -> images/s of jdp's epoch loop, float32
+    lesson_images_per_s: float | None  # the lesson's PyTorch code, best epoch, same machine and hour
+    measured: str  # date and stack
+    source: str  # where the raw output is committed
+
+
+BASELINES: tuple[Baseline, ...] = (
+    Baseline(
+        machine="2-core AMD EPYC (Zen 4) VM", cpu="AMD EPYC", host_cpus=2, device_kind="cpu",
+        float32_images_per_s={1: 4984.0, 2: 5213.0},  # the faster of two rounds, each fastest of 3
+        lesson_images_per_s=2626.0,  # best of 6 epochs, alternating with the two jdp rounds
+        measured="2026-12-03, JAX 0.12.0.1, Python 3.13.0",
+        source="experiments/results/bench-train/baseline-2026-12-03",
+    ),
+)
+
+# The settings a baseline was measured with; other settings get no ratio.
+BATCH_SIZE, MODEL_IMPL = 256, "fast"
+
+
+def find(record: dict[str, Any], device: jax.Device, *, batch_size: int, model_impl: str) -> Baseline | None:
+    """The baseline of the machine `record` (`jdp.bench.machine.machine()`) describes, for `device`'s kind.
+
+    None if no baseline was committed for that machine kind or the bench runs other settings.
+    """
+    if batch_size != BATCH_SIZE or model_impl != MODEL_IMPL:
+        return None
+    return next((b for b in BASELINES if b.cpu == record["cpu"] and b.host_cpus == record["host_cpus"]
+                 and b.device_kind == device.device_kind), None)
+
+
+def ratio(baseline: Baseline | None, devices: int, images_per_s: float) -> float | None:
+    """`images_per_s` over the baseline's float32 figure for the same device count, if there is one."""
+    if baseline is None or devices not in baseline.float32_images_per_s:
+        return None
+    return images_per_s / baseline.float32_images_per_s[devices]

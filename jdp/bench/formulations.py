@@ -1,0 +1,245 @@
+"""`jdp bench formulations`: ways to write the lesson's LeNet step, timed side by side on one device.
+
+Every formulation takes the lesson's params and NCHW images and computes the same logits (up to
+rounding; the table prints each one's largest gradient difference from the reference). Each is
+jitted as a full SGD step and timed in alternating rounds, fastest round kept, so the ratios of
+one run compare. `reference` and `fast` are the models jdp trains (`--model-impl`); the others are
+alternatives kept here so their cost can be re-measured on new hardware or a new XLA:
+
+* conv2's gradients as im2col matmuls (weight gradient, input gradient through col2im, or both),
+  and the whole conv2 as an im2col matmul: the input gradient as a convolution pads dy by 4
+  pixels, so more than half of its multiply-adds are with zeros;
+* the bias gradients as matmuls with a ones vector instead of XLA's reductions;
+* conv2 in NCHW/OIHW (the lesson's layout) inside the fast formulation;
+* the batch split into independent chunks inside one step (a thread split without devices);
+* bfloat16: the whole model cast (`--precision bf16`), or only the conv and matmul operands with
+  float32 accumulation and float32 elementwise work.
+"""
+
+import argparse
+import functools
+import json
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jdp.bench.machine import machine
+from jdp.cli.flags import add_device_flags, check_out_dir, setup_devices
+from jdp.errors import ConfigError, check_positive
+from jdp.models import get as get_model
+from jdp.models import lenet, lenet_fast, precision, summed_cross_entropy
+from jdp.models.lenet import Params, add_bias
+from jdp.models.lenet_fast import _avg_pool, _conv, conv_one_channel
+
+Apply = Callable[[Params, jax.Array], jax.Array]
+
+
+def _patches(x: jax.Array, kh: int, kw: int) -> jax.Array:
+    """(N, H, W, C) → (N, H−kh+1, W−kw+1, kh·kw·C), in HWIO's (h, w, c) order."""
+    oh, ow = x.shape[1] - kh + 1, x.shape[2] - kw + 1
+    return jnp.concatenate([x[:, i:i + oh, j:j + ow, :] for i in range(kh) for j in range(kw)], axis=-1)
+
+
+def _conv_with_vjp(weight_by_matmul: bool, input_by_matmul: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """A VALID NHWC/HWIO convolution whose weight and/or input gradient is an im2col matmul."""
+
+    @jax.custom_vjp
+    def conv(x, w):
+        return _conv(x, w)
+
+    def fwd(x, w):
+        return _conv(x, w), (x, w)
+
+    def bwd(residuals, dy):
+        x, w = residuals
+        kh, kw, c, o = w.shape
+        if weight_by_matmul:
+            dw = jnp.einsum("nhwk,nhwo->ko", _patches(x, kh, kw), dy).reshape(w.shape)
+        else:
+            dw = jax.vjp(lambda w: _conv(x, w), w)[1](dy)[0]
+        if input_by_matmul:
+            patches_vjp = jax.vjp(lambda x: _patches(x, kh, kw), x)[1]
+            dx = patches_vjp(jnp.einsum("nhwo,ko->nhwk", dy, w.reshape(kh * kw * c, o)))[0]
+        else:
+            dx = jax.vjp(lambda x: _conv(x, w), x)[1](dy)[0]
+        return dx, dw
+
+    conv.defvjp(fwd, bwd)
+    return conv
+
+
+def _conv_im2col(x: jax.Array, w: jax.Array) -> jax.Array:
+    kh, kw, c, o = w.shape
+    return jnp.einsum("nhwk,ko->nhwo", _patches(x, kh, kw), w.reshape(kh * kw * c, o))
+
+
+@jax.custom_vjp
+def _add_bias_by_matmul(y: jax.Array, b: jax.Array) -> jax.Array:
+    return y + b
+
+
+_add_bias_by_matmul.defvjp(lambda y, b: (y + b, None),
+                           lambda _, dy: (dy, jnp.ones(dy.size // dy.shape[-1], dy.dtype) @ dy.reshape(-1, dy.shape[-1])))
+
+
+def _fast_with(conv2=_conv, bias=add_bias, conv2_nchw: bool = False, operand_dtype=None) -> Apply:
+    """`lenet_fast.apply` with conv2, the bias adds, conv2's layout or the operands' dtype swapped."""
+
+    def cast(a):
+        return a if operand_dtype is None else a.astype(operand_dtype)
+
+    def matmul(a, b):
+        return jnp.matmul(cast(a), cast(b), preferred_element_type=jnp.float32)
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(cast(x), cast(w), (1, 1), "VALID", dimension_numbers=lenet_fast._DIMS,
+                                            preferred_element_type=jnp.float32)
+
+    def apply(params: Params, images: jax.Array) -> jax.Array:
+        x = images.reshape(images.shape[0], 28, 28, 1)[:, :26, :26, :]
+        w1, w2 = params["W1"].transpose(2, 3, 1, 0), params["W2"].transpose(2, 3, 1, 0)
+        h = conv(x, w1) if operand_dtype is not None else conv_one_channel(x, w1)
+        h = _avg_pool(jax.nn.relu(bias(h, params["b1"])))
+        if conv2_nchw:
+            h = jax.lax.conv_general_dilated(h.transpose(0, 3, 1, 2), params["W2"], (1, 1), "VALID",
+                                             dimension_numbers=("NCHW", "OIHW", "NCHW")).transpose(0, 2, 3, 1)
+        else:
+            h = conv(h, w2) if operand_dtype is not None else conv2(h, w2)
+        h = _avg_pool(jax.nn.relu(bias(h, params["b2"])))
+        w3 = params["W3"].reshape(50, 4, 4, -1).transpose(1, 2, 0, 3).reshape(800, -1)
+        h = jax.nn.relu(bias(matmul(h.reshape(h.shape[0], 800), w3), params["b3"]))
+        return bias(matmul(h, params["W4"]), params["b4"])
+
+    return apply
+
+
+def _split(apply: Apply, chunks: int) -> Apply:
+    def chunked(params: Params, images: jax.Array) -> jax.Array:
+        return jnp.concatenate([apply(params, part) for part in jnp.split(images, chunks)])
+
+    return chunked
+
+
+def _bf16(apply: Apply) -> Apply:
+    return precision.mixed(get_model("lenet")._replace(apply=apply), "bf16").apply
+
+
+# name -> (what it is, logits function)
+FORMULATIONS: dict[str, tuple[str, Apply]] = {
+    "reference": ("the lesson's NCHW formulation (`--model-impl reference`)", lenet.apply),
+    "fast": ("jdp's default (`--model-impl fast`): cropped, NHWC, conv1 weight gradient as a matmul", lenet_fast.apply),
+    "conv2-dw-matmul": ("fast, conv2's weight gradient as an im2col matmul", _fast_with(_conv_with_vjp(True, False))),
+    "conv2-dx-matmul": ("fast, conv2's input gradient as a matmul + col2im", _fast_with(_conv_with_vjp(False, True))),
+    "conv2-grads-matmul": ("fast, both conv2 gradients as matmuls", _fast_with(_conv_with_vjp(True, True))),
+    "conv2-im2col": ("fast, conv2 forward and backward as im2col matmuls", _fast_with(_conv_im2col)),
+    "bias-grads-matmul": ("fast, bias gradients as ones-vector matmuls", _fast_with(bias=_add_bias_by_matmul)),
+    "conv2-nchw": ("fast, conv2 in the lesson's NCHW/OIHW layout", _fast_with(conv2_nchw=True)),
+    "split-2": ("fast, the batch as 2 independent chunks in one step", _split(lenet_fast.apply, 2)),
+    "split-4": ("fast, the batch as 4 independent chunks in one step", _split(lenet_fast.apply, 4)),
+    "bf16": ("fast, cast to bfloat16 whole (`--precision bf16`)", _bf16(lenet_fast.apply)),
+    "bf16-operands": ("fast, bfloat16 conv/matmul operands only, float32 accumulation and elementwise",
+                      _fast_with(operand_dtype=jnp.bfloat16)),
+}
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    """Adds `formulations` to the `jdp bench` subcommands."""
+    p = benchmarks.add_parser(
+        "formulations", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="time ways to write the LeNet step (conv2 gradients, bias, layout, chunks, bf16) side by side",
+        description="Time the lesson's LeNet SGD step written in several ways on one device, in alternating "
+        "rounds, and print ms/step, images/s, the ratio to the reference and to jdp's fast formulation, "
+        "and each one's largest gradient difference from the reference.",
+    )
+    add_device_flags(p)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20, help="steps per timed round")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (fastest kept)")
+    p.add_argument("--only", default=None, metavar="A,B", help=f"formulations to time (default: all: {', '.join(FORMULATIONS)})")
+    p.add_argument("--out", default=None, metavar="DIR", help="write formulations.json and formulations.md here")
+    p.set_defaults(run=run_formulations_bench)
+
+
+def _gradient(apply: Apply, batch: int) -> Params:
+    params = lenet.init(jax.random.key(0), scale=0.1)
+    images = jax.random.uniform(jax.random.key(1), (batch, 1, 28, 28))
+    labels = jax.random.randint(jax.random.key(2), (batch,), 0, 10)
+    return jax.grad(summed_cross_entropy(apply))(params, images, labels)
+
+
+_reference_gradient = functools.cache(lambda batch: _gradient(lenet.apply, batch))
+
+
+def gradient_error(apply: Apply, batch: int = 32) -> float:
+    """Largest |gradient − reference gradient| / max |reference gradient| over the params' leaves."""
+    want, got = _reference_gradient(batch), _gradient(apply, batch)
+    return max(float(jnp.max(jnp.abs(got[k] - want[k])) / jnp.max(jnp.abs(want[k]))) for k in want)
+
+
+def time_formulations(names: list[str], device: jax.Device, *, batch_size: int, steps: int,
+                      rounds: int) -> dict[str, list[float]]:
+    """Seconds per step of each formulation's jitted SGD step on `device`, one list entry per round."""
+    images = jax.device_put(jax.random.uniform(jax.random.key(1), (batch_size, 1, 28, 28)), device)
+    labels = jax.device_put(jax.random.randint(jax.random.key(2), (batch_size,), 0, 10), device)
+    params = jax.device_put(lenet.init(jax.random.key(0)), device)
+
+    def sgd_step(apply: Apply):
+        loss = summed_cross_entropy(apply)
+        return jax.jit(lambda p, x, y: jax.tree.map(lambda a, g: a - 0.2 / batch_size * g, p, jax.grad(loss)(p, x, y)))
+
+    stepped = {name: sgd_step(FORMULATIONS[name][1]) for name in names}
+    for step in stepped.values():
+        jax.block_until_ready(step(params, images, labels))
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(rounds):
+        for name, step in stepped.items():
+            p, start = params, time.perf_counter()
+            for _ in range(steps):
+                p = step(p, images, labels)
+            jax.block_until_ready(p)
+            seconds[name].append((time.perf_counter() - start) / steps)
+    return seconds
+
+
+def format_table(rows: list[dict]) -> str:
+    """A markdown table, one row per formulation."""
+    lines = ["| formulation | ms/step | images/s | × reference | × fast | max grad diff | what |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['ms_per_step']:.1f} | {r['images_per_s']:.0f} | "
+                     f"{r['vs_reference']:.2f} | {r['vs_fast']:.2f} | {r['gradient_error']:.1e} | {r['what']} |")
+    return "\n".join(lines)
+
+
+def run_formulations_bench(args: argparse.Namespace) -> int:
+    for name in ("batch_size", "steps", "rounds"):
+        check_positive(f"--{name.replace('_', '-')}", getattr(args, name))
+    names = list(FORMULATIONS) if args.only is None else [n.strip() for n in args.only.split(",")]
+    unknown = [n for n in names if n not in FORMULATIONS]
+    if unknown:
+        raise ConfigError(f"`--only`: no formulation `{unknown[0]}`; choose from {', '.join(FORMULATIONS)}.")
+    names = list(dict.fromkeys(["reference", "fast", *names]))  # the two ratios need both
+    out = check_out_dir(args.out)
+    device = setup_devices(args)[0]
+    before = machine([device])
+    seconds = time_formulations(names, device, batch_size=args.batch_size, steps=args.steps, rounds=args.rounds)
+    best = {name: min(s) for name, s in seconds.items()}
+    rows = [{"name": name, "what": FORMULATIONS[name][0], "seconds": seconds[name], "ms_per_step": 1e3 * best[name],
+             "images_per_s": args.batch_size / best[name], "vs_reference": best["reference"] / best[name],
+             "vs_fast": best["fast"] / best[name], "gradient_error": gradient_error(FORMULATIONS[name][1])}
+            for name in names]
+    header = (f"jdp bench formulations: LeNet SGD step, batch {args.batch_size}, 1 {before['platform']} device, "
+              f"fastest of {args.rounds} rounds of {args.steps} steps; JAX {before['jax_version']}, "
+              f"{before['cpu']} ({before['host_cpus']} CPUs), load average {' '.join(before['load_average'])}, "
+              f"XLA flags: {before['xla_flags'] or 'none'}")
+    table = format_table(rows)
+    print(header, table, sep="\n", flush=True)
+    if out is not None:
+        (out / "formulations.md").write_text(header + "\n\n" + table + "\n")
+        record = {"benchmark": "formulations", "machine": before, "load_average_after": machine()["load_average"],
+                  "config": {k: v for k, v in vars(args).items() if k not in ("run", "command", "benchmark")},
+                  "results": rows}
+        (out / "formulations.json").write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {out / 'formulations.md'} and formulations.json")
+    return 0
