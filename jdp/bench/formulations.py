@@ -31,15 +31,9 @@ from jdp.errors import ConfigError, check_positive
 from jdp.models import get as get_model
 from jdp.models import lenet, lenet_fast, precision, summed_cross_entropy
 from jdp.models.lenet import Params, add_bias
-from jdp.models.lenet_fast import _avg_pool, _conv, conv_one_channel
+from jdp.models.lenet_fast import _avg_pool, _conv, conv_one_channel, patches
 
 Apply = Callable[[Params, jax.Array], jax.Array]
-
-
-def _patches(x: jax.Array, kh: int, kw: int) -> jax.Array:
-    """(N, H, W, C) → (N, H−kh+1, W−kw+1, kh·kw·C), in HWIO's (h, w, c) order."""
-    oh, ow = x.shape[1] - kh + 1, x.shape[2] - kw + 1
-    return jnp.concatenate([x[:, i:i + oh, j:j + ow, :] for i in range(kh) for j in range(kw)], axis=-1)
 
 
 def _conv_with_vjp(weight_by_matmul: bool, input_by_matmul: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
@@ -56,11 +50,11 @@ def _conv_with_vjp(weight_by_matmul: bool, input_by_matmul: bool) -> Callable[[j
         x, w = residuals
         kh, kw, c, o = w.shape
         if weight_by_matmul:
-            dw = jnp.einsum("nhwk,nhwo->ko", _patches(x, kh, kw), dy).reshape(w.shape)
+            dw = jnp.einsum("nhwk,nhwo->ko", patches(x, kh, kw), dy).reshape(w.shape)
         else:
             dw = jax.vjp(lambda w: _conv(x, w), w)[1](dy)[0]
         if input_by_matmul:
-            patches_vjp = jax.vjp(lambda x: _patches(x, kh, kw), x)[1]
+            patches_vjp = jax.vjp(lambda x: patches(x, kh, kw), x)[1]
             dx = patches_vjp(jnp.einsum("nhwo,ko->nhwk", dy, w.reshape(kh * kw * c, o)))[0]
         else:
             dx = jax.vjp(lambda x: _conv(x, w), x)[1](dy)[0]
@@ -72,7 +66,7 @@ def _conv_with_vjp(weight_by_matmul: bool, input_by_matmul: bool) -> Callable[[j
 
 def _conv_im2col(x: jax.Array, w: jax.Array) -> jax.Array:
     kh, kw, c, o = w.shape
-    return jnp.einsum("nhwk,ko->nhwo", _patches(x, kh, kw), w.reshape(kh * kw * c, o))
+    return jnp.einsum("nhwk,ko->nhwo", patches(x, kh, kw), w.reshape(kh * kw * c, o))
 
 
 @jax.custom_vjp

@@ -31,8 +31,8 @@ def _conv(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
     return jax.lax.conv_general_dilated(x, w_hwio, (1, 1), "VALID", dimension_numbers=_DIMS)
 
 
-def _patches(x: jax.Array, kh: int, kw: int) -> jax.Array:
-    """(N, H, W, 1) → (N, H−kh+1, W−kw+1, kh·kw): every kh×kw window, in HWIO's (h, w) order."""
+def patches(x: jax.Array, kh: int, kw: int) -> jax.Array:
+    """(N, H, W, C) → (N, H−kh+1, W−kw+1, kh·kw·C): every kh×kw window, in HWIO's (h, w, c) order (im2col)."""
     oh, ow = x.shape[1] - kh + 1, x.shape[2] - kw + 1
     return jnp.concatenate([x[:, i:i + oh, j:j + ow, :] for i in range(kh) for j in range(kw)], axis=-1)
 
@@ -50,7 +50,7 @@ def _conv_one_channel_fwd(x, w_hwio):
 def _conv_one_channel_bwd(residuals, dy):
     x, w_hwio = residuals
     kh, kw, _, out = w_hwio.shape
-    dw = jnp.einsum("nhwk,nhwo->ko", _patches(x, kh, kw), dy).reshape(kh, kw, 1, out)
+    dw = jnp.einsum("nhwk,nhwo->ko", patches(x, kh, kw), dy).reshape(kh, kw, 1, out)
     _, input_vjp = jax.vjp(lambda inputs: _conv(inputs, w_hwio), x)  # dead code unless x needs a gradient
     (dx,) = input_vjp(dy)
     return dx, dw
