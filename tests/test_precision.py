@@ -1,5 +1,7 @@
 """`--precision bf16`: bfloat16 forward/backward, float32 params, loss, gradients, allreduce and checkpoints."""
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +33,7 @@ def relative(a, b):
     return (diff / norm) ** 0.5
 
 
-@pytest.mark.parametrize("impl", ["fast", "reference"])
+@pytest.mark.parametrize("impl", ["fast", pytest.param("reference", marks=pytest.mark.slow)])
 def test_bf16_gradients_equal_float32_ones_within_bf16_tolerance(impl):
     model = get_model("lenet", impl=impl)
     low = precision.mixed(model, "bf16")
@@ -70,7 +72,7 @@ def one_step(strategy, devices, name="bf16", backend="pmap"):
 
 
 @pytest.mark.parametrize("strategy", [
-    "manual", "tree", pytest.param("manual_ring", marks=pytest.mark.slow), pytest.param("ring", marks=pytest.mark.slow)])
+    "manual", *(pytest.param(name, marks=pytest.mark.slow) for name in ("manual_ring", "ring", "tree"))])
 def test_every_strategy_sums_float32_gradients(strategy, devices):
     """A bfloat16 sum of 4 devices' gradients would be off by ~1e-3 relative; float32 sums agree to ~1e-7."""
     devices = devices[:4]
@@ -132,9 +134,13 @@ def test_resnet18_trains_in_bf16_with_float32_batch_statistics(devices):
 
 
 def test_resume_is_bit_identical_in_bf16(devices, tmp_path):
-    want, history = train(config(epochs=2), SMALL, devices[:2])
-    train(config(epochs=1), SMALL, devices[:2], checkpoint_dir=tmp_path)
-    got, resumed = train(config(epochs=2), SMALL, devices[:2], checkpoint_dir=tmp_path, resume=True)
+    full, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    want, history = train(config(epochs=2), SMALL, devices[:2], checkpoint_dir=full, checkpoint_every=3)
+    first = sorted(full.glob("checkpoint-*.msgpack"))[0]  # the older of the two kept: step 6 of 8, mid-epoch 2
+    assert first.name == "checkpoint-000000006.msgpack", first
+    resumed_dir.mkdir()
+    shutil.copy2(first, resumed_dir / first.name)
+    got, resumed = train(config(epochs=2), SMALL, devices[:2], checkpoint_dir=resumed_dir, resume=True)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert [r.train_loss for r in resumed] == [r.train_loss for r in history]
