@@ -31,37 +31,15 @@ from jdp.errors import ConfigError, check_positive
 from jdp.models import get as get_model
 from jdp.models import lenet, lenet_fast, precision, summed_cross_entropy
 from jdp.models.lenet import Params, add_bias
-from jdp.models.lenet_fast import _avg_pool, _conv, conv_one_channel, patches
+from jdp.models.lenet_fast import (
+    _avg_pool,
+    _conv,
+    conv_one_channel,
+    conv_with_matmul_gradients,
+    patches,
+)
 
 Apply = Callable[[Params, jax.Array], jax.Array]
-
-
-def _conv_with_vjp(weight_by_matmul: bool, input_by_matmul: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
-    """A VALID NHWC/HWIO convolution whose weight and/or input gradient is an im2col matmul."""
-
-    @jax.custom_vjp
-    def conv(x, w):
-        return _conv(x, w)
-
-    def fwd(x, w):
-        return _conv(x, w), (x, w)
-
-    def bwd(residuals, dy):
-        x, w = residuals
-        kh, kw, c, o = w.shape
-        if weight_by_matmul:
-            dw = jnp.einsum("nhwk,nhwo->ko", patches(x, kh, kw), dy).reshape(w.shape)
-        else:
-            dw = jax.vjp(lambda w: _conv(x, w), w)[1](dy)[0]
-        if input_by_matmul:
-            patches_vjp = jax.vjp(lambda x: patches(x, kh, kw), x)[1]
-            dx = patches_vjp(jnp.einsum("nhwo,ko->nhwk", dy, w.reshape(kh * kw * c, o)))[0]
-        else:
-            dx = jax.vjp(lambda x: _conv(x, w), x)[1](dy)[0]
-        return dx, dw
-
-    conv.defvjp(fwd, bwd)
-    return conv
 
 
 def _conv_im2col(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -124,9 +102,9 @@ def _bf16(apply: Apply) -> Apply:
 FORMULATIONS: dict[str, tuple[str, Apply]] = {
     "reference": ("the lesson's NCHW formulation (`--model-impl reference`)", lenet.apply),
     "fast": ("jdp's default (`--model-impl fast`): cropped, NHWC, conv1 weight gradient as a matmul", lenet_fast.apply),
-    "conv2-dw-matmul": ("fast, conv2's weight gradient as an im2col matmul", _fast_with(_conv_with_vjp(True, False))),
-    "conv2-dx-matmul": ("fast, conv2's input gradient as a matmul + col2im", _fast_with(_conv_with_vjp(False, True))),
-    "conv2-grads-matmul": ("fast, both conv2 gradients as matmuls", _fast_with(_conv_with_vjp(True, True))),
+    "conv2-dw-matmul": ("fast, conv2's weight gradient as an im2col matmul", _fast_with(conv_with_matmul_gradients(weight=True, inputs=False))),
+    "conv2-dx-matmul": ("fast, conv2's input gradient as a matmul + col2im", _fast_with(conv_with_matmul_gradients(weight=False, inputs=True))),
+    "conv2-grads-matmul": ("fast, both conv2 gradients as matmuls", _fast_with(conv_with_matmul_gradients(weight=True, inputs=True))),
     "conv2-im2col": ("fast, conv2 forward and backward as im2col matmuls", _fast_with(_conv_im2col)),
     "bias-grads-matmul": ("fast, bias gradients as ones-vector matmuls", _fast_with(bias=_add_bias_by_matmul)),
     "conv2-nchw": ("fast, conv2 in the lesson's NCHW/OIHW layout", _fast_with(conv2_nchw=True)),

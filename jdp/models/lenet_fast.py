@@ -18,6 +18,8 @@ asked to compute them (measured on a 2-core Zen 4 CPU, see the README, "Speed"):
   W3's rows are permuted to match instead of transposing the activations.
 """
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -37,26 +39,40 @@ def patches(x: jax.Array, kh: int, kw: int) -> jax.Array:
     return jnp.concatenate([x[:, i:i + oh, j:j + ow, :] for i in range(kh) for j in range(kw)], axis=-1)
 
 
-@jax.custom_vjp
-def conv_one_channel(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
-    """VALID convolution of a 1-channel NHWC input; its weight gradient is an im2col matmul."""
-    return _conv(x, w_hwio)
+def conv_with_matmul_gradients(weight: bool, inputs: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """A VALID NHWC/HWIO convolution whose weight and/or input gradient is an im2col matmul (custom VJP).
+
+    The input gradient by matmul scatters (kh·kw·C)-wide patch gradients back with col2im; by
+    convolution, XLA pads the output gradient by kh−1, kw−1 pixels. Unneeded gradients are dead code.
+    """
+
+    @jax.custom_vjp
+    def conv(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
+        return _conv(x, w_hwio)
+
+    def conv_fwd(x, w_hwio):
+        return _conv(x, w_hwio), (x, w_hwio)
+
+    def conv_bwd(residuals, dy):
+        x, w_hwio = residuals
+        kh, kw, c, out = w_hwio.shape
+        if weight:
+            dw = jnp.einsum("nhwk,nhwo->ko", patches(x, kh, kw), dy).reshape(w_hwio.shape)
+        else:
+            (dw,) = jax.vjp(lambda w: _conv(x, w), w_hwio)[1](dy)
+        if inputs:
+            patches_vjp = jax.vjp(lambda x: patches(x, kh, kw), x)[1]
+            (dx,) = patches_vjp(jnp.einsum("nhwo,ko->nhwk", dy, w_hwio.reshape(kh * kw * c, out)))
+        else:
+            (dx,) = jax.vjp(lambda x: _conv(x, w_hwio), x)[1](dy)
+        return dx, dw
+
+    conv.defvjp(conv_fwd, conv_bwd)
+    return conv
 
 
-def _conv_one_channel_fwd(x, w_hwio):
-    return _conv(x, w_hwio), (x, w_hwio)
-
-
-def _conv_one_channel_bwd(residuals, dy):
-    x, w_hwio = residuals
-    kh, kw, _, out = w_hwio.shape
-    dw = jnp.einsum("nhwk,nhwo->ko", patches(x, kh, kw), dy).reshape(kh, kw, 1, out)
-    _, input_vjp = jax.vjp(lambda inputs: _conv(inputs, w_hwio), x)  # dead code unless x needs a gradient
-    (dx,) = input_vjp(dy)
-    return dx, dw
-
-
-conv_one_channel.defvjp(_conv_one_channel_fwd, _conv_one_channel_bwd)
+# conv1: XLA's CPU convolution for a 1-input-channel weight gradient is several times slower than the matmul.
+conv_one_channel = conv_with_matmul_gradients(weight=True, inputs=False)
 
 
 def _avg_pool(x: jax.Array) -> jax.Array:
