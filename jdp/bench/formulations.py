@@ -30,14 +30,8 @@ from jdp.cli.flags import add_device_flags, check_out_dir, setup_devices
 from jdp.errors import ConfigError, check_positive
 from jdp.models import get as get_model
 from jdp.models import lenet, lenet_fast, precision, summed_cross_entropy
-from jdp.models.lenet import Params, add_bias
-from jdp.models.lenet_fast import (
-    _avg_pool,
-    _conv,
-    conv_one_channel,
-    conv_with_matmul_gradients,
-    patches,
-)
+from jdp.models.lenet import Params
+from jdp.models.lenet_fast import conv_with_matmul_gradients, make_apply, patches
 
 Apply = Callable[[Params, jax.Array], jax.Array]
 
@@ -56,35 +50,20 @@ _add_bias_by_matmul.defvjp(lambda y, b: (y + b, None),
                            lambda _, dy: (dy, jnp.ones(dy.size // dy.shape[-1], dy.dtype) @ dy.reshape(-1, dy.shape[-1])))
 
 
-def _fast_with(conv2=_conv, bias=add_bias, conv2_nchw: bool = False, operand_dtype=None) -> Apply:
-    """`lenet_fast.apply` with conv2, the bias adds, conv2's layout or the operands' dtype swapped."""
+def _conv_nchw(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
+    """conv2 in the lesson's NCHW/OIHW layout, between NHWC activations."""
+    y = jax.lax.conv_general_dilated(x.transpose(0, 3, 1, 2), w_hwio.transpose(3, 2, 0, 1), (1, 1), "VALID",
+                                     dimension_numbers=("NCHW", "OIHW", "NCHW"))
+    return y.transpose(0, 2, 3, 1)
 
-    def cast(a):
-        return a if operand_dtype is None else a.astype(operand_dtype)
 
-    def matmul(a, b):
-        return jnp.matmul(cast(a), cast(b), preferred_element_type=jnp.float32)
+def _conv_bf16_operands(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
+    return jax.lax.conv_general_dilated(x.astype(jnp.bfloat16), w_hwio.astype(jnp.bfloat16), (1, 1), "VALID",
+                                        dimension_numbers=lenet_fast._DIMS, preferred_element_type=jnp.float32)
 
-    def conv(x, w):
-        return jax.lax.conv_general_dilated(cast(x), cast(w), (1, 1), "VALID", dimension_numbers=lenet_fast._DIMS,
-                                            preferred_element_type=jnp.float32)
 
-    def apply(params: Params, images: jax.Array) -> jax.Array:
-        x = images.reshape(images.shape[0], 28, 28, 1)[:, :26, :26, :]
-        w1, w2 = params["W1"].transpose(2, 3, 1, 0), params["W2"].transpose(2, 3, 1, 0)
-        h = conv(x, w1) if operand_dtype is not None else conv_one_channel(x, w1)
-        h = _avg_pool(jax.nn.relu(bias(h, params["b1"])))
-        if conv2_nchw:
-            h = jax.lax.conv_general_dilated(h.transpose(0, 3, 1, 2), params["W2"], (1, 1), "VALID",
-                                             dimension_numbers=("NCHW", "OIHW", "NCHW")).transpose(0, 2, 3, 1)
-        else:
-            h = conv(h, w2) if operand_dtype is not None else conv2(h, w2)
-        h = _avg_pool(jax.nn.relu(bias(h, params["b2"])))
-        w3 = params["W3"].reshape(50, 4, 4, -1).transpose(1, 2, 0, 3).reshape(800, -1)
-        h = jax.nn.relu(bias(matmul(h.reshape(h.shape[0], 800), w3), params["b3"]))
-        return bias(matmul(h, params["W4"]), params["b4"])
-
-    return apply
+def _matmul_bf16_operands(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.matmul(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
 
 
 def _split(apply: Apply, chunks: int) -> Apply:
@@ -102,17 +81,20 @@ def _bf16(apply: Apply) -> Apply:
 FORMULATIONS: dict[str, tuple[str, Apply]] = {
     "reference": ("the lesson's NCHW formulation (`--model-impl reference`)", lenet.apply),
     "fast": ("jdp's default (`--model-impl fast`): cropped, NHWC, conv1 weight gradient as a matmul", lenet_fast.apply),
-    "conv2-dw-matmul": ("fast, conv2's weight gradient as an im2col matmul", _fast_with(conv_with_matmul_gradients(weight=True, inputs=False))),
-    "conv2-dx-matmul": ("fast, conv2's input gradient as a matmul + col2im", _fast_with(conv_with_matmul_gradients(weight=False, inputs=True))),
-    "conv2-grads-matmul": ("fast, both conv2 gradients as matmuls", _fast_with(conv_with_matmul_gradients(weight=True, inputs=True))),
-    "conv2-im2col": ("fast, conv2 forward and backward as im2col matmuls", _fast_with(_conv_im2col)),
-    "bias-grads-matmul": ("fast, bias gradients as ones-vector matmuls", _fast_with(bias=_add_bias_by_matmul)),
-    "conv2-nchw": ("fast, conv2 in the lesson's NCHW/OIHW layout", _fast_with(conv2_nchw=True)),
+    "conv2-dw-matmul": ("fast, conv2's weight gradient as an im2col matmul",
+                        make_apply(conv2=conv_with_matmul_gradients(weight=True, inputs=False))),
+    "conv2-dx-matmul": ("fast, conv2's input gradient as a matmul + col2im",
+                        make_apply(conv2=conv_with_matmul_gradients(weight=False, inputs=True))),
+    "conv2-grads-matmul": ("fast, both conv2 gradients as matmuls",
+                           make_apply(conv2=conv_with_matmul_gradients(weight=True, inputs=True))),
+    "conv2-im2col": ("fast, conv2 forward and backward as im2col matmuls", make_apply(conv2=_conv_im2col)),
+    "bias-grads-matmul": ("fast, bias gradients as ones-vector matmuls", make_apply(bias=_add_bias_by_matmul)),
+    "conv2-nchw": ("fast, conv2 in the lesson's NCHW/OIHW layout", make_apply(conv2=_conv_nchw)),
     "split-2": ("fast, the batch as 2 independent chunks in one step", _split(lenet_fast.apply, 2)),
     "split-4": ("fast, the batch as 4 independent chunks in one step", _split(lenet_fast.apply, 4)),
     "bf16": ("fast, cast to bfloat16 whole (`--precision bf16`)", _bf16(lenet_fast.apply)),
     "bf16-operands": ("fast, bfloat16 conv/matmul operands only, float32 accumulation and elementwise",
-                      _fast_with(operand_dtype=jnp.bfloat16)),
+                      make_apply(conv1=_conv_bf16_operands, conv2=_conv_bf16_operands, matmul=_matmul_bf16_operands)),
 }
 
 

@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jdp", description="Data-parallel training of the lesson's LeNet in functional JAX."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from jdp.models.precision import PRECISIONS
+
     train = commands.add_parser(
         "train", help="train a model (LeNet by default) data-parallel and report test accuracy per epoch",
         description="Train the lesson's LeNet (or --model) data-parallel: replicate params, split each batch "
@@ -63,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--model lenet's formulation: fast (jdp.models.lenet_fast) or the lesson's reference; same math")
     train.add_argument("--steps-per-call", type=int, default=1, metavar="S",
                        help="train steps per compiled call (unrolled); needs a collective allreduce strategy")
-    train.add_argument("--precision", default="float32", choices=["float32", "bf16"],
+    train.add_argument("--precision", default="float32", choices=list(PRECISIONS),
                        help="compute dtype of the forward and backward passes; params, optimizer state, loss, "
                        "gradients and their allreduce stay float32 (docs/performance.md)")
     train.add_argument("--checkpoint-dir", default=None, metavar="DIR",

@@ -81,16 +81,31 @@ def _avg_pool(x: jax.Array) -> jax.Array:
     return x.reshape(n, h // 2, 2, w // 2, 2, c).mean(axis=(2, 4))
 
 
-def apply(params: Params, images: jax.Array) -> jax.Array:
-    """Logits for NCHW images of shape (N, 1, 28, 28); equal to `jdp.models.lenet.apply`."""
-    x = images.reshape(images.shape[0], 28, 28, 1)[:, :26, :26, :]  # C = 1: NCHW → NHWC is a reshape
-    w1 = params["W1"].transpose(2, 3, 1, 0)  # OIHW → HWIO
-    h = _avg_pool(jax.nn.relu(add_bias(conv_one_channel(x, w1), params["b1"])))  # (N, 12, 12, 20)
-    w2 = params["W2"].transpose(2, 3, 1, 0)
-    h = _avg_pool(jax.nn.relu(add_bias(_conv(h, w2), params["b2"])))  # (N, 4, 4, 50)
-    w3 = params["W3"].reshape(50, 4, 4, -1).transpose(1, 2, 0, 3).reshape(800, -1)  # rows (c,h,w) → (h,w,c)
-    h = jax.nn.relu(add_bias(h.reshape(h.shape[0], 800) @ w3, params["b3"]))
-    return add_bias(h @ params["W4"], params["b4"])
+Conv = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def make_apply(conv1: Conv = conv_one_channel, conv2: Conv = _conv, bias: Callable[..., jax.Array] = add_bias,
+               matmul: Conv = jnp.matmul) -> Callable[[Params, jax.Array], jax.Array]:
+    """`apply` built from its pieces: NHWC/HWIO convolutions, the bias add and the dense matmul.
+
+    The defaults are jdp's fast formulation; `jdp bench formulations` swaps pieces to time alternatives.
+    """
+
+    def apply(params: Params, images: jax.Array) -> jax.Array:
+        """Logits for NCHW images of shape (N, 1, 28, 28); equal to `jdp.models.lenet.apply`."""
+        x = images.reshape(images.shape[0], 28, 28, 1)[:, :26, :26, :]  # C = 1: NCHW → NHWC is a reshape
+        w1 = params["W1"].transpose(2, 3, 1, 0)  # OIHW → HWIO
+        h = _avg_pool(jax.nn.relu(bias(conv1(x, w1), params["b1"])))  # (N, 12, 12, 20)
+        w2 = params["W2"].transpose(2, 3, 1, 0)
+        h = _avg_pool(jax.nn.relu(bias(conv2(h, w2), params["b2"])))  # (N, 4, 4, 50)
+        w3 = params["W3"].reshape(50, 4, 4, -1).transpose(1, 2, 0, 3).reshape(800, -1)  # rows (c,h,w) → (h,w,c)
+        h = jax.nn.relu(bias(matmul(h.reshape(h.shape[0], 800), w3), params["b3"]))
+        return bias(matmul(h, params["W4"]), params["b4"])
+
+    return apply
+
+
+apply = make_apply()
 
 
 # `--model-impl` name -> apply function; both take the same params and images.
