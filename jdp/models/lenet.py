@@ -32,22 +32,27 @@ def init(key: jax.Array, scale: float = 0.01) -> Params:
 def add_bias(y: jax.Array, b: jax.Array, axis: int = -1) -> jax.Array:
     """`y + b` with `b` along `axis`. In float32 exactly that; in a lower precision (`--precision bf16`)
     b's gradient is summed in float32: XLA's CPU reduction would add its ~10⁵ terms in bfloat16."""
-    if b.dtype == jnp.float32:
-        return y + jnp.expand_dims(b, [d for d in range(y.ndim) if d != axis % y.ndim])
-    return _add_bias_low(y, b, axis % y.ndim)
+    axis %= y.ndim
+    return _add(y, b, axis) if b.dtype == jnp.float32 else _add_bias_low(y, b, axis)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _add_bias_low(y: jax.Array, b: jax.Array, axis: int) -> jax.Array:
-    return y + jnp.expand_dims(b, [d for d in range(y.ndim) if d != axis])
+def _other_axes(ndim: int, axis: int) -> list[int]:
+    return [d for d in range(ndim) if d != axis]
+
+
+def _add(y: jax.Array, b: jax.Array, axis: int) -> jax.Array:
+    return y + jnp.expand_dims(b, _other_axes(y.ndim, axis))
+
+
+_add_bias_low = partial(jax.custom_vjp, nondiff_argnums=(2,))(_add)
 
 
 def _add_bias_low_fwd(y, b, axis):
-    return _add_bias_low(y, b, axis), None
+    return _add(y, b, axis), None
 
 
 def _add_bias_low_bwd(axis, _, dy):
-    summed = jnp.sum(dy, axis=[d for d in range(dy.ndim) if d != axis], dtype=jnp.float32)
+    summed = jnp.sum(dy, axis=_other_axes(dy.ndim, axis), dtype=jnp.float32)
     return dy, summed.astype(dy.dtype)
 
 

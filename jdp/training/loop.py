@@ -71,7 +71,6 @@ class TrainConfig:
             raise ConfigError(f"`--lr` must be positive, got {self.lr}.")
         if self.eval_on not in ("all", "device0"):
             raise ConfigError(f"`--eval-on` must be `all` or `device0`, got `{self.eval_on}`.")
-        precision.check(self.precision)
         model = self.build_model()
         if model.per_replica_state and self.backend != "pmap":
             raise ConfigError(
@@ -95,10 +94,8 @@ class TrainConfig:
     def build_model(self) -> Model:
         """`model` itself, or the registered model of that name built with `model_impl` and `batchnorm`;
         computing in `precision`."""
-        if isinstance(self.model, Model):
-            if self.batchnorm is not None:
-                raise ConfigError("`batchnorm` selects a built-in model's BatchNorm; your own `Model` defines its own.")
-            return precision.mixed(self.model, self.precision)
+        if isinstance(self.model, Model) and self.batchnorm is not None:
+            raise ConfigError("`batchnorm` selects a built-in model's BatchNorm; your own `Model` defines its own.")
         return precision.mixed(models.get(self.model, impl=self.model_impl, batchnorm=self.batchnorm), self.precision)
 
     def strategy(self) -> Allreduce:
