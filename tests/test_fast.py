@@ -40,13 +40,35 @@ def test_loss_and_gradients_equal_the_reference(problem):
     assert_close(got, want)
 
 
-def test_input_gradient_of_the_custom_vjp_is_the_convolutions():
-    x = jax.random.normal(jax.random.key(3), (2, 7, 6, 1))
-    w = jax.random.normal(jax.random.key(4), (3, 3, 1, 5))
+@pytest.mark.parametrize(("weight", "inputs"), [(True, False), (False, True), (True, True)])
+def test_matmul_gradients_of_the_custom_vjp_are_the_convolutions(weight, inputs):
+    x = jax.random.normal(jax.random.key(3), (2, 7, 6, 3))
+    w = jax.random.normal(jax.random.key(4), (3, 3, 3, 5))
     plain = lambda x, w: jnp.sum(jnp.sin(lenet_fast._conv(x, w)))
-    custom = lambda x, w: jnp.sum(jnp.sin(lenet_fast.conv_one_channel(x, w)))
+    custom = lambda x, w: jnp.sum(jnp.sin(lenet_fast.conv_with_matmul_gradients(weight, inputs)(x, w)))
     for got, want in zip(jax.grad(custom, (0, 1))(x, w), jax.grad(plain, (0, 1))(x, w)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_first_layer_equals_conv_bias_relu_pool_with_all_gradients():
+    """Odd conv output (8×7 → pooled 4×3, last column dropped as the floor pooling does), nonzero bias."""
+    x = jax.random.normal(jax.random.key(3), (3, 10, 9, 1))
+    w = jax.random.normal(jax.random.key(4), (3, 3, 1, 5))
+    b = jax.random.normal(jax.random.key(5), (5,))
+    plain_layer = lenet_fast.conv_relu_pool(pool=lambda h: lenet_fast.avg_pool(h[:, :8, :6]))
+    plain = lambda x, w, b: jnp.sum(jnp.sin(3 * plain_layer(x, w, b)))
+    fused = lambda x, w, b: jnp.sum(jnp.sin(3 * lenet_fast.one_channel_conv_relu_pool(x, w, b)))
+    assert lenet_fast.one_channel_conv_relu_pool(x, w, b).shape == (3, 4, 3, 5)
+    np.testing.assert_allclose(fused(x, w, b), plain(x, w, b), rtol=1e-5)
+    got, want = jax.grad(fused, (0, 1, 2))(x, w, b), jax.grad(plain, (0, 1, 2))(x, w, b)
+    assert float(jnp.abs(want[0]).max()) > 0.1  # the input gradient is not trivially zero
+    for name, g, v in zip(("x", "w", "b"), got, want):
+        np.testing.assert_allclose(g, v, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_fused_first_layer_refuses_several_input_channels():
+    with pytest.raises(ValueError, match="1 input channel"):
+        lenet_fast.one_channel_conv_relu_pool(jnp.ones((1, 6, 6, 2)), jnp.ones((3, 3, 2, 4)), jnp.ones(4))
 
 
 @pytest.mark.parametrize(("row", "col", "read"), [(25, 25, True), (26, 0, False), (0, 26, False), (27, 27, False)])

@@ -6,6 +6,8 @@ jitted as a full SGD step and timed in alternating rounds, fastest round kept, s
 one run compare. `reference` and `fast` are the models jdp trains (`--model-impl`); the others are
 alternatives kept here so their cost can be re-measured on new hardware or a new XLA:
 
+* conv1 as XLA's convolution (weight gradient as an im2col matmul) followed by separate bias,
+  ReLU and pooling ops, instead of the fused one-channel layer; pooling as reshape + mean;
 * conv2's gradients as im2col matmuls (weight gradient, input gradient through col2im, or both),
   and the whole conv2 as an im2col matmul: the input gradient as a convolution pads dy by 4
   pixels, so more than half of its multiply-adds are with zeros;
@@ -31,7 +33,7 @@ from jdp.errors import ConfigError, check_positive
 from jdp.models import get as get_model
 from jdp.models import lenet, lenet_fast, precision, summed_cross_entropy
 from jdp.models.lenet import Params
-from jdp.models.lenet_fast import conv_with_matmul_gradients, make_apply, patches
+from jdp.models.lenet_fast import conv_relu_pool, conv_with_matmul_gradients, make_apply, patches
 
 Apply = Callable[[Params, jax.Array], jax.Array]
 
@@ -48,6 +50,14 @@ def _add_bias_by_matmul(y: jax.Array, b: jax.Array) -> jax.Array:
 
 _add_bias_by_matmul.defvjp(lambda y, b: (y + b, None),
                            lambda _, dy: (dy, jnp.ones(dy.size // dy.shape[-1], dy.dtype) @ dy.reshape(-1, dy.shape[-1])))
+
+
+def _reshape_mean_pool(x: jax.Array) -> jax.Array:
+    n, h, w, c = x.shape
+    return x.reshape(n, h // 2, 2, w // 2, 2, c).mean(axis=(2, 4))
+
+
+_conv1_xla = conv_relu_pool(conv_with_matmul_gradients(weight=True, inputs=False))
 
 
 def _conv_nchw(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
@@ -80,7 +90,15 @@ def _bf16(apply: Apply) -> Apply:
 # name -> (what it is, logits function)
 FORMULATIONS: dict[str, tuple[str, Apply]] = {
     "reference": ("the lesson's NCHW formulation (`--model-impl reference`)", lenet.apply),
-    "fast": ("jdp's default (`--model-impl fast`): cropped, NHWC, conv1 weight gradient as a matmul", lenet_fast.apply),
+    "fast": ("jdp's default (`--model-impl fast`): cropped, NHWC, conv1+bias+ReLU+pool fused, strided-sum pooling",
+             lenet_fast.apply),
+    "conv1-xla": ("fast, conv1 as XLA's convolution (weight gradient as a matmul), then bias, ReLU, pool",
+                  make_apply(layer1=_conv1_xla)),
+    "pool-reshape-mean": ("fast, conv2's pooling as reshape + mean", make_apply(pool=_reshape_mean_pool)),
+    "conv1-xla+pool-reshape-mean": ("both of the above: jdp's fast formulation until 2026-12-03",
+                                    make_apply(layer1=conv_relu_pool(conv_with_matmul_gradients(weight=True, inputs=False),
+                                                                     pool=_reshape_mean_pool),
+                                               pool=_reshape_mean_pool)),
     "conv2-dw-matmul": ("fast, conv2's weight gradient as an im2col matmul",
                         make_apply(conv2=conv_with_matmul_gradients(weight=True, inputs=False))),
     "conv2-dx-matmul": ("fast, conv2's input gradient as a matmul + col2im",
@@ -94,7 +112,8 @@ FORMULATIONS: dict[str, tuple[str, Apply]] = {
     "split-4": ("fast, the batch as 4 independent chunks in one step", _split(lenet_fast.apply, 4)),
     "bf16": ("fast, cast to bfloat16 whole (`--precision bf16`)", _bf16(lenet_fast.apply)),
     "bf16-operands": ("fast, bfloat16 conv/matmul operands only, float32 accumulation and elementwise",
-                      make_apply(conv1=_conv_bf16_operands, conv2=_conv_bf16_operands, matmul=_matmul_bf16_operands)),
+                      make_apply(layer1=conv_relu_pool(_conv_bf16_operands), conv2=_conv_bf16_operands,
+                                 matmul=_matmul_bf16_operands)),
 }
 
 

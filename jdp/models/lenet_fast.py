@@ -11,9 +11,12 @@ asked to compute them (measured on a 2-core Zen 4 CPU, see the README, "Speed"):
 * NHWC activations and HWIO kernels (the layout XLA's CPU convolutions are fastest in). The image
   has one channel, so NCHW → NHWC is a free reshape; the kernels are transposed inside `apply`,
   so gradients come back in the lesson's layout.
-* Pooling as reshape + mean, which XLA fuses with the ReLU, instead of `reduce_window`.
-* conv1's weight gradient as one im2col matmul (9 × N·576 by N·576 × 20) via a custom VJP: XLA's
-  CPU convolution for a 1-input-channel weight gradient is several times slower than the matmul.
+* conv1 → bias → ReLU → pool as one elementwise loop (`one_channel_conv_relu_pool`): with one
+  input channel a convolution is 9 multiply-adds per output, which XLA fuses with the rest when
+  written per pooling phase; XLA's CPU convolution and its 1-channel weight gradient were several
+  times slower. The backward gets conv1's weight and bias gradients from one matmul.
+* Pooling as a sum of four strided slices, which XLA fuses with the ReLU, instead of
+  `reduce_window`.
 * Flattening for the dense layer: NHWC flattens in (h, w, c) order, the reference in (c, h, w);
   W3's rows are permuted to match instead of transposing the activations.
 """
@@ -71,22 +74,81 @@ def conv_with_matmul_gradients(weight: bool, inputs: bool) -> Callable[[jax.Arra
     return conv
 
 
-# conv1: XLA's CPU convolution for a 1-input-channel weight gradient is several times slower than the matmul.
-conv_one_channel = conv_with_matmul_gradients(weight=True, inputs=False)
+def avg_pool(x: jax.Array) -> jax.Array:
+    """2×2 average pooling, stride 2, of an NHWC array with even height and width.
 
-
-def _avg_pool(x: jax.Array) -> jax.Array:
-    """2×2 average pooling, stride 2, of an NHWC array with even height and width."""
-    n, h, w, c = x.shape
-    return x.reshape(n, h // 2, 2, w // 2, 2, c).mean(axis=(2, 4))
+    A sum of four strided slices, which XLA fuses with the ReLU before it into one elementwise loop;
+    reshape + mean becomes a reduction, 4× slower alone here (within noise in the whole step).
+    """
+    return 0.25 * (x[:, 0::2, 0::2] + x[:, 0::2, 1::2] + x[:, 1::2, 0::2] + x[:, 1::2, 1::2])
 
 
 Conv = Callable[[jax.Array, jax.Array], jax.Array]
+Layer = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def make_apply(conv1: Conv = conv_one_channel, conv2: Conv = _conv, bias: Callable[..., jax.Array] = add_bias,
+def conv_relu_pool(conv: Conv = _conv, bias: Callable[..., jax.Array] = add_bias,
+                   pool: Callable[[jax.Array], jax.Array] = avg_pool) -> Layer:
+    """A conv → bias → ReLU → 2×2 average pool layer, `layer(x, w_hwio, b)`, from its pieces."""
+    return lambda x, w_hwio, b: pool(jax.nn.relu(bias(conv(x, w_hwio), b)))
+
+
+def _pooling_phases(x: jax.Array, kh: int, kw: int) -> list[list[jax.Array]]:
+    """phases[r][s] = x[:, r::2, s::2] cut to the pooled size: the pixels each pooling phase's conv reads."""
+    oh, ow = (x.shape[1] - kh + 1) // 2, (x.shape[2] - kw + 1) // 2
+    return [[x[:, r::2, s::2][:, :oh, :ow] for s in range(kw + 1)] for r in range(kh + 1)]
+
+
+def _phase_conv(phases: list[list[jax.Array]], w_hwio: jax.Array, b: jax.Array, a: int, c: int) -> jax.Array:
+    """Pre-activation of the conv outputs at pooling phase (a, c): rows 2i+a, columns 2j+c."""
+    kh, kw = w_hwio.shape[:2]
+    return b + sum(phases[a + i][c + j] * w_hwio[i, j, 0] for i in range(kh) for j in range(kw))
+
+
+def _one_channel_conv_relu_pool(x: jax.Array, w_hwio: jax.Array, b: jax.Array) -> jax.Array:
+    if x.shape[-1] != 1 or w_hwio.shape[2] != 1:
+        raise ValueError(f"one_channel_conv_relu_pool needs 1 input channel; got input {x.shape}, kernel {w_hwio.shape}")
+    phases = _pooling_phases(x, *w_hwio.shape[:2])
+    return 0.25 * sum(jax.nn.relu(_phase_conv(phases, w_hwio, b, a, c)) for a in (0, 1) for c in (0, 1))
+
+
+@jax.custom_vjp
+def one_channel_conv_relu_pool(x: jax.Array, w_hwio: jax.Array, b: jax.Array) -> jax.Array:
+    """conv → bias → ReLU → 2×2 average pool for a 1-channel NHWC input, as one elementwise loop.
+
+    With one input channel a convolution is kh·kw multiply-adds per output: written out per
+    pooling phase, XLA fuses conv, bias, ReLU and pool into one loop that never stores the
+    unpooled activations. The backward recomputes the four phases' ReLU masks and gets the weight
+    and bias gradients from one matmul: [patches | 1]ᵀ (kh·kw+1 × N·H·W) by the masked output
+    gradient (N·H·W × O), accumulated in float32 whatever the input dtype.
+    """
+    return _one_channel_conv_relu_pool(x, w_hwio, b)
+
+
+def _one_channel_fwd(x, w_hwio, b):
+    return _one_channel_conv_relu_pool(x, w_hwio, b), (x, w_hwio, b)
+
+
+def _one_channel_bwd(residuals, dy):
+    x, w_hwio, b = residuals
+    kh, kw, _, out = w_hwio.shape
+    phases = _pooling_phases(x, kh, kw)
+    quads = [(a, c) for a in (0, 1) for c in (0, 1)]
+    masked = jnp.stack([jnp.where(_phase_conv(phases, w_hwio, b, a, c) > 0, 0.25 * dy, 0) for a, c in quads])
+    rows = [jnp.stack([phases[a + i][c + j] for a, c in quads]).reshape(-1) for i in range(kh) for j in range(kw)]
+    patches_t = jnp.stack([*rows, jnp.ones_like(rows[0])])
+    dwb = jnp.matmul(patches_t, masked.reshape(-1, out), preferred_element_type=jnp.float32)
+    (dx,) = jax.vjp(lambda x: _one_channel_conv_relu_pool(x, w_hwio, b), x)[1](dy)  # dead code unless wanted
+    return dx, dwb[:-1].reshape(w_hwio.shape).astype(w_hwio.dtype), dwb[-1].astype(b.dtype)
+
+
+one_channel_conv_relu_pool.defvjp(_one_channel_fwd, _one_channel_bwd)
+
+
+def make_apply(layer1: Layer = one_channel_conv_relu_pool, conv2: Conv = _conv,
+               bias: Callable[..., jax.Array] = add_bias, pool: Callable[[jax.Array], jax.Array] = avg_pool,
                matmul: Conv = jnp.matmul) -> Callable[[Params, jax.Array], jax.Array]:
-    """`apply` built from its pieces: NHWC/HWIO convolutions, the bias add and the dense matmul.
+    """`apply` built from its pieces: the first conv layer, conv2, the bias add, pooling and the dense matmul.
 
     The defaults are jdp's fast formulation; `jdp bench formulations` swaps pieces to time alternatives.
     """
@@ -95,9 +157,9 @@ def make_apply(conv1: Conv = conv_one_channel, conv2: Conv = _conv, bias: Callab
         """Logits for NCHW images of shape (N, 1, 28, 28); equal to `jdp.models.lenet.apply`."""
         x = images.reshape(images.shape[0], 28, 28, 1)[:, :26, :26, :]  # C = 1: NCHW → NHWC is a reshape
         w1 = params["W1"].transpose(2, 3, 1, 0)  # OIHW → HWIO
-        h = _avg_pool(jax.nn.relu(bias(conv1(x, w1), params["b1"])))  # (N, 12, 12, 20)
+        h = layer1(x, w1, params["b1"])  # (N, 12, 12, 20)
         w2 = params["W2"].transpose(2, 3, 1, 0)
-        h = _avg_pool(jax.nn.relu(bias(conv2(h, w2), params["b2"])))  # (N, 4, 4, 50)
+        h = pool(jax.nn.relu(bias(conv2(h, w2), params["b2"])))  # (N, 4, 4, 50)
         w3 = params["W3"].reshape(50, 4, 4, -1).transpose(1, 2, 0, 3).reshape(800, -1)  # rows (c,h,w) → (h,w,c)
         h = jax.nn.relu(bias(matmul(h.reshape(h.shape[0], 800), w3), params["b3"]))
         return bias(matmul(h, params["W4"]), params["b4"])
