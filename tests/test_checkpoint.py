@@ -180,10 +180,9 @@ def test_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one(run, 
     XLA's CPU code rounds differently under those flags.)"""
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     extra, config = RUNS[run]
-    # Lowest priority: on a loaded machine the polling below still runs before the run reaches its end.
     proc = subprocess.Popen([sys.executable, "-m", "jdp", "train", "--cpu-devices", "8", "--devices", "2", *FLAGS,
-                             *extra, "--checkpoint-dir", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=lambda: os.nice(19))
+                             *extra, "--checkpoint-dir", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    os.setpriority(os.PRIO_PROCESS, proc.pid, 19)  # lowest: on a loaded machine the polling below still runs in time
     deadline = time.monotonic() + 600
     while not any(int(p.name[11:20]) >= 72 for p in killed.glob("checkpoint-*.msgpack")):  # in epoch 2
         assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()}"
