@@ -57,7 +57,7 @@ def _reshape_mean_pool(x: jax.Array) -> jax.Array:
     return x.reshape(n, h // 2, 2, w // 2, 2, c).mean(axis=(2, 4))
 
 
-_conv1_xla = conv_relu_pool(conv_with_matmul_gradients(weight=True, inputs=False))
+_conv_matmul_dw = conv_with_matmul_gradients(weight=True, inputs=False)
 
 
 def _conv_nchw(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
@@ -93,14 +93,13 @@ FORMULATIONS: dict[str, tuple[str, Apply]] = {
     "fast": ("jdp's default (`--model-impl fast`): cropped, NHWC, conv1+bias+ReLU+pool fused, strided-sum pooling",
              lenet_fast.apply),
     "conv1-xla": ("fast, conv1 as XLA's convolution (weight gradient as a matmul), then bias, ReLU, pool",
-                  make_apply(layer1=_conv1_xla)),
+                  make_apply(layer1=conv_relu_pool(_conv_matmul_dw))),
     "pool-reshape-mean": ("fast, conv2's pooling as reshape + mean", make_apply(pool=_reshape_mean_pool)),
     "conv1-xla+pool-reshape-mean": ("both of the above: jdp's fast formulation until 2026-12-03",
-                                    make_apply(layer1=conv_relu_pool(conv_with_matmul_gradients(weight=True, inputs=False),
-                                                                     pool=_reshape_mean_pool),
+                                    make_apply(layer1=conv_relu_pool(_conv_matmul_dw, pool=_reshape_mean_pool),
                                                pool=_reshape_mean_pool)),
     "conv2-dw-matmul": ("fast, conv2's weight gradient as an im2col matmul",
-                        make_apply(conv2=conv_with_matmul_gradients(weight=True, inputs=False))),
+                        make_apply(conv2=_conv_matmul_dw)),
     "conv2-dx-matmul": ("fast, conv2's input gradient as a matmul + col2im",
                         make_apply(conv2=conv_with_matmul_gradients(weight=False, inputs=True))),
     "conv2-grads-matmul": ("fast, both conv2 gradients as matmuls",

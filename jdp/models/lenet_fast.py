@@ -93,6 +93,9 @@ def conv_relu_pool(conv: Conv = _conv, bias: Callable[..., jax.Array] = add_bias
     return lambda x, w_hwio, b: pool(jax.nn.relu(bias(conv(x, w_hwio), b)))
 
 
+_PHASES = ((0, 0), (0, 1), (1, 0), (1, 1))  # (row, column) offsets of the 2×2 pooling window
+
+
 def _pooling_phases(x: jax.Array, kh: int, kw: int) -> list[list[jax.Array]]:
     """phases[r][s] = x[:, r::2, s::2] cut to the pooled size: the pixels each pooling phase's conv reads."""
     oh, ow = (x.shape[1] - kh + 1) // 2, (x.shape[2] - kw + 1) // 2
@@ -109,7 +112,7 @@ def _one_channel_conv_relu_pool(x: jax.Array, w_hwio: jax.Array, b: jax.Array) -
     if x.shape[-1] != 1 or w_hwio.shape[2] != 1:
         raise ValueError(f"one_channel_conv_relu_pool needs 1 input channel; got input {x.shape}, kernel {w_hwio.shape}")
     phases = _pooling_phases(x, *w_hwio.shape[:2])
-    return 0.25 * sum(jax.nn.relu(_phase_conv(phases, w_hwio, b, a, c)) for a in (0, 1) for c in (0, 1))
+    return 0.25 * sum(jax.nn.relu(_phase_conv(phases, w_hwio, b, a, c)) for a, c in _PHASES)
 
 
 @jax.custom_vjp
@@ -133,9 +136,8 @@ def _one_channel_bwd(residuals, dy):
     x, w_hwio, b = residuals
     kh, kw, _, out = w_hwio.shape
     phases = _pooling_phases(x, kh, kw)
-    quads = [(a, c) for a in (0, 1) for c in (0, 1)]
-    masked = jnp.stack([jnp.where(_phase_conv(phases, w_hwio, b, a, c) > 0, 0.25 * dy, 0) for a, c in quads])
-    rows = [jnp.stack([phases[a + i][c + j] for a, c in quads]).reshape(-1) for i in range(kh) for j in range(kw)]
+    masked = jnp.stack([jnp.where(_phase_conv(phases, w_hwio, b, a, c) > 0, 0.25 * dy, 0) for a, c in _PHASES])
+    rows = [jnp.stack([phases[a + i][c + j] for a, c in _PHASES]).reshape(-1) for i in range(kh) for j in range(kw)]
     patches_t = jnp.stack([*rows, jnp.ones_like(rows[0])])
     dwb = jnp.matmul(patches_t, masked.reshape(-1, out), preferred_element_type=jnp.float32)
     (dx,) = jax.vjp(lambda x: _one_channel_conv_relu_pool(x, w_hwio, b), x)[1](dy)  # dead code unless wanted
