@@ -2,9 +2,10 @@ import json
 import subprocess
 import sys
 
+import jax
 import pytest
 
-from jdp.bench import baselines
+from jdp.bench import baselines, machine
 from jdp.bench import train as bench_train
 from jdp.cli import main as cli
 
@@ -56,7 +57,7 @@ def test_bad_precision_list_is_refused_by_name(capsys):
     assert "`--precision` must be one of float32, bf16, got `fp8`" in capsys.readouterr().err
 
 
-BASE = baselines.Baseline(machine="test box", cpu="Test CPU", host_cpus=2, device_kind="cpu",
+BASE = baselines.Baseline(machine="test box", cpu="Test CPU", vector_isa="avx2", host_cpus=2, device_kind="cpu",
                           float32_images_per_s={1: 1000.0, 2: 1500.0}, lesson_images_per_s=500.0,
                           measured="today", source="nowhere")
 
@@ -67,13 +68,42 @@ class FakeDevice:
 
 def test_baseline_is_found_by_machine_kind_and_settings(monkeypatch):
     monkeypatch.setattr(baselines, "BASELINES", (BASE,))
-    here = {"cpu": "Test CPU", "host_cpus": 2}
+    here = {"cpu": "Test CPU", "vector_isa": "avx2", "host_cpus": 2}
     assert baselines.find(here, FakeDevice(), batch_size=256, model_impl="fast") == BASE
+    other_isa = {**here, "vector_isa": "avx512_bf16"}  # the same CPU model, other kernels
+    assert baselines.find(other_isa, FakeDevice(), batch_size=256, model_impl="fast") is None
     assert baselines.find({**here, "host_cpus": 4}, FakeDevice(), batch_size=256, model_impl="fast") is None
     assert baselines.find(here, FakeDevice(), batch_size=128, model_impl="fast") is None
     assert baselines.find(here, FakeDevice(), batch_size=256, model_impl="reference") is None
     assert baselines.ratio(BASE, 2, 3000.0) == 2.0 and baselines.ratio(BASE, 8, 3000.0) is None
     assert baselines.ratio(None, 1, 3000.0) is None
+
+
+def test_vector_isa_names_the_widest_instructions_the_cpu_reports():
+    assert machine.vector_isa("fpu sse2 avx2 fma".split()) == "avx2"
+    assert machine.vector_isa("avx2 avx512f avx512bw avx512_bf16 avx512_vnni".split()) == "avx512_bf16"
+    assert machine.vector_isa("avx2 avx512f avx512bw".split()) == "avx512f"
+    assert machine.vector_isa(["sse2"]) == "other" and machine.vector_isa([]) == "unknown"
+    assert machine.machine()["vector_isa"] in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "other", "unknown")
+
+
+def test_rounds_time_every_device_count_and_precision_in_turn(monkeypatch):
+    """All configurations are prepared first, then each round visits each one: drift biases them alike."""
+    visits = []
+
+    def fake_prepare(devices, split, *, precision_name, **settings):
+        def timed_round(r):
+            visits.append((r, len(devices), precision_name))
+            return {"floor_s": 1.0, "epoch_s": 1.0 + 0.1 * r, "floor_cpu_s": 1.0, "epoch_cpu_s": 1.0}
+        return timed_round
+
+    monkeypatch.setattr(bench_train, "prepare", fake_prepare)
+    monkeypatch.setattr(bench_train, "matmul_peak", lambda device, precision_name: 1e11)
+    record = bench_train.bench_train(jax.devices()[:2], None, steps=4, rounds=2, precisions=("float32", "bf16"))
+    assert visits == [(r, k, name) for r in range(2) for k in (1, 2) for name in ("float32", "bf16")]
+    first = record["results"][0]
+    assert (first["devices"], first["precision"], first["epoch_s"]) == (1, "float32", [1.0, 1.1])
+    assert first["overhead"] == 1.0 and first["images_per_s"] == 4 * 256 / 1.0
 
 
 def test_table_shows_each_precision_and_the_ratios():

@@ -8,6 +8,7 @@ alternatives kept here so their cost can be re-measured on new hardware or a new
 
 * conv1 as XLA's convolution (weight gradient as an im2col matmul) followed by separate bias,
   ReLU and pooling ops, instead of the fused one-channel layer; pooling as reshape + mean;
+* conv1's fused output left to XLA's fusion instead of stored behind an optimisation barrier;
 * conv2's gradients as im2col matmuls (weight gradient, input gradient through col2im, or both),
   and the whole conv2 as an im2col matmul: the input gradient as a convolution pads dy by 4
   pixels, so more than half of its multiply-adds are with zeros;
@@ -95,9 +96,11 @@ FORMULATIONS: dict[str, tuple[str, Apply]] = {
     "conv1-xla": ("fast, conv1 as XLA's convolution (weight gradient as a matmul), then bias, ReLU, pool",
                   make_apply(layer1=conv_relu_pool(_conv_matmul_dw))),
     "pool-reshape-mean": ("fast, conv2's pooling as reshape + mean", make_apply(pool=_reshape_mean_pool)),
-    "conv1-xla+pool-reshape-mean": ("both of the above: jdp's fast formulation until 2026-12-03",
+    "conv1-xla+pool-reshape-mean": ("both of the above, no barrier: jdp's fast formulation until 2026-12-03",
                                     make_apply(layer1=conv_relu_pool(_conv_matmul_dw, pool=_reshape_mean_pool),
-                                               pool=_reshape_mean_pool)),
+                                               pool=_reshape_mean_pool, barrier=False)),
+    "no-barrier": ("fast, conv1's output not stored: XLA fuses its loop into conv2's weight-gradient transpose too",
+                   make_apply(barrier=False)),
     "conv2-dw-matmul": ("fast, conv2's weight gradient as an im2col matmul",
                         make_apply(conv2=_conv_matmul_dw)),
     "conv2-dx-matmul": ("fast, conv2's input gradient as a matmul + col2im",

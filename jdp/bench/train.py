@@ -13,14 +13,15 @@ For each precision (float32, bf16) and device count k (1, 2 and all of them) at 
 (g) images/s relative to the committed float32 baseline of this machine kind (`jdp.bench.baselines`),
     and to the lesson's PyTorch code measured on that machine kind, where one is committed.
 
-The rounds alternate epoch and floor and each keeps its fastest, so load from other processes
-on a shared machine biases both alike; compare ratios from one run, not absolute figures.
+Each round times floor and epoch of every device count and precision in turn, and each keeps its
+fastest, so load from other processes on a shared machine biases them alike; compare ratios from
+one run, not absolute figures.
 """
 
 import argparse
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -55,7 +56,8 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     add_device_flags(p)
     p.add_argument("--batch-size", type=int, default=256, help="global batch, split over the devices")
     p.add_argument("--steps", type=int, default=40, help="batches per timed epoch and floor (sec/epoch extrapolated)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating epoch/floor rounds per device count (min kept)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds, each timing floor and epoch of every device count and precision in turn (min kept)")
     p.add_argument("--model-impl", default="fast", choices=list(IMPLEMENTATIONS), help="LeNet formulation")
     p.add_argument("--steps-per-call", type=int, default=1, metavar="S", help="train steps per compiled call")
     p.add_argument("--precision", default="float32,bf16", metavar="P[,P]",
@@ -94,22 +96,24 @@ def matmul_peak(device: jax.Device, n: int = 1024, repeats: int = 10, precision_
     return 2 * n**3 / best
 
 
-def measure(
+Round = Callable[[int], dict[str, float]]  # round(r) -> one floor and one epoch time, wall-clock and CPU
+
+
+def prepare(
     devices: Sequence[jax.Device],
     split: data.Split,
     *,
     batch_size: int,
     steps: int,
-    rounds: int,
     model_impl: str = "fast",
     steps_per_call: int = 1,
     precision_name: str = "float32",
-) -> dict[str, Any]:
-    """Seconds of `steps` steps of jdp's epoch loop and of the compute floor, on `devices`, in `precision_name`.
+) -> Round:
+    """Compiles jdp's epoch loop and the compute floor on `devices` in `precision_name`; returns one timed round.
 
-    Returns:
-      {"epoch_s", "floor_s", "epoch_cpu_s", "floor_cpu_s"}: one wall-clock and one CPU time (this
-      process, all threads) per round each, after a warm-up of both.
+    `round(r)` runs `steps` steps of the floor, then `steps` of the epoch loop (permutation r + 1), and
+    returns {"floor_s", "epoch_s", "floor_cpu_s", "epoch_cpu_s"}: wall-clock and CPU time (this process,
+    all threads). The state carries over from round to round, as in training.
     """
     optimizer = optax.sgd(0.2)
     model = precision.mixed(models.get("lenet", impl=model_impl), precision_name)
@@ -118,24 +122,27 @@ def measure(
     run_epoch = make_epoch_runner(step, part, devices, batch_size, steps_per_call=steps_per_call)
     x, y = split_batch(part.images[:batch_size], part.labels[:batch_size], devices)
     params = lenet.init(jax.random.key(0))
-    state = replicate(params, devices), replicate(optimizer.init(params), devices)
+    state = [replicate(params, devices), replicate(optimizer.init(params), devices)]
 
     def floor(state, count):
         return repeat_step(step, state, x, y, count)
 
     def epoch(state, seed):
         state, _ = run_epoch(state, jax.random.key(seed), lambda calls, total: calls)
-        return state
+        return jax.block_until_ready(state)
 
-    state = epoch(floor(state, 2), 0)  # compile both
-    times: dict[str, list[float]] = {"epoch_s": [], "floor_s": [], "epoch_cpu_s": [], "floor_cpu_s": []}
-    for r in range(rounds):
-        for name, run in (("floor", lambda s: floor(s, steps)), ("epoch", lambda s, r=r: epoch(s, r + 1))):
+    state[:] = epoch(floor(tuple(state), 2), 0)  # compile both
+
+    def timed_round(r: int) -> dict[str, float]:
+        times = {}
+        for name, run in (("floor", lambda s: floor(s, steps)), ("epoch", lambda s: epoch(s, r + 1))):
             start, cpu = time.perf_counter(), time.process_time()
-            state = run(state)
-            times[f"{name}_s"].append(time.perf_counter() - start)
-            times[f"{name}_cpu_s"].append(time.process_time() - cpu)
-    return times
+            state[:] = run(tuple(state))
+            times[f"{name}_s"] = time.perf_counter() - start
+            times[f"{name}_cpu_s"] = time.process_time() - cpu
+        return times
+
+    return timed_round
 
 
 def bench_train(
@@ -152,7 +159,8 @@ def bench_train(
 ) -> dict[str, Any]:
     """Measures 1, 2 and len(devices) devices (those dividing `batch_size`) in each precision, and the ratios.
 
-    The precisions alternate within each device count, so load from other processes biases them alike.
+    Every (device count, precision) is compiled first; then each round times all of them in turn, so
+    load from other processes and the machine's drift over the run bias them alike.
 
     Returns:
       {"matmul_peak_flops": {precision: FLOP/s}, "flops_per_image", "results": [one row per precision and
@@ -161,20 +169,26 @@ def bench_train(
     counts = sorted({k for k in (1, 2, len(devices)) if k <= len(devices) and batch_size % k == 0})
     peaks = {name: matmul_peak(devices[0], precision_name=name) for name in precisions}
     per_image = flops_per_image()
+    configs = [(k, name) for k in counts for name in precisions]
+    timed = {(k, name): prepare(devices[:k], split, batch_size=batch_size, steps=steps, model_impl=model_impl,
+                                steps_per_call=steps_per_call, precision_name=name) for k, name in configs}
+    times = {config: {"epoch_s": [], "floor_s": [], "epoch_cpu_s": [], "floor_cpu_s": []} for config in configs}
+    for r in range(rounds):
+        for config in configs:
+            for key, value in timed[config](r).items():
+                times[config][key].append(value)
     rows = []
-    for k in counts:
-        for name in precisions:
-            times = measure(devices[:k], split, batch_size=batch_size, steps=steps, rounds=rounds,
-                            model_impl=model_impl, steps_per_call=steps_per_call, precision_name=name)
-            epoch_s, floor_s = min(times["epoch_s"]), min(times["floor_s"])
-            images_per_s = steps * batch_size / epoch_s
-            rows.append({
-                "precision": name, "devices": k, **times, "overhead": epoch_s / floor_s,
-                "overhead_cpu": min(times["epoch_cpu_s"]) / min(times["floor_cpu_s"]), "images_per_s": images_per_s,
-                "floor_images_per_s": steps * batch_size / floor_s,
-                "sec_per_epoch": epoch_s / steps * (FULL_EPOCH_IMAGES // batch_size),
-                "achieved_flops": per_image * images_per_s, "fraction_of_peak": per_image * images_per_s / peaks[name],
-            })
+    for k, name in configs:
+        t = times[k, name]
+        epoch_s, floor_s = min(t["epoch_s"]), min(t["floor_s"])
+        images_per_s = steps * batch_size / epoch_s
+        rows.append({
+            "precision": name, "devices": k, **t, "overhead": epoch_s / floor_s,
+            "overhead_cpu": min(t["epoch_cpu_s"]) / min(t["floor_cpu_s"]), "images_per_s": images_per_s,
+            "floor_images_per_s": steps * batch_size / floor_s,
+            "sec_per_epoch": epoch_s / steps * (FULL_EPOCH_IMAGES // batch_size),
+            "achieved_flops": per_image * images_per_s, "fraction_of_peak": per_image * images_per_s / peaks[name],
+        })
     for row in rows:
         first = next(r for r in rows if r["precision"] == row["precision"])
         row["vs_1_device"] = row["sec_per_epoch"] / first["sec_per_epoch"]

@@ -14,7 +14,9 @@ asked to compute them (measured on a 2-core Zen 4 CPU, see the README, "Speed"):
 * conv1 → bias → ReLU → pool as one elementwise loop (`one_channel_conv_relu_pool`): with one
   input channel a convolution is 9 multiply-adds per output, which XLA fuses with the rest when
   written per pooling phase; XLA's CPU convolution and its 1-channel weight gradient were several
-  times slower. The backward gets conv1's weight and bias gradients from one matmul.
+  times slower. The backward gets conv1's weight and bias gradients from one matmul. The layer's
+  output is stored behind an optimisation barrier: otherwise XLA also fuses the loop into the
+  transpose that conv2's weight gradient reads, and runs it a second time there.
 * Pooling as a sum of four strided slices, which XLA fuses with the ReLU, instead of
   `reduce_window`.
 * Flattening for the dense layer: NHWC flattens in (h, w, c) order, the reference in (c, h, w);
@@ -25,6 +27,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jdp.models import lenet
 from jdp.models.lenet import Params, add_bias
@@ -149,17 +152,21 @@ one_channel_conv_relu_pool.defvjp(_one_channel_fwd, _one_channel_bwd)
 
 def make_apply(layer1: Layer = one_channel_conv_relu_pool, conv2: Conv = _conv,
                bias: Callable[..., jax.Array] = add_bias, pool: Callable[[jax.Array], jax.Array] = avg_pool,
-               matmul: Conv = jnp.matmul) -> Callable[[Params, jax.Array], jax.Array]:
+               matmul: Conv = jnp.matmul, barrier: bool = True) -> Callable[[Params, jax.Array], jax.Array]:
     """`apply` built from its pieces: the first conv layer, conv2, the bias add, pooling and the dense matmul.
 
     The defaults are jdp's fast formulation; `jdp bench formulations` swaps pieces to time alternatives.
+    With `barrier`, the first layer's output is stored (`lax.optimization_barrier`) rather than fused
+    into each of its consumers: the transpose that conv2's weight gradient reads would run the
+    fused conv1 loop a second time.
     """
+    stored = lax.optimization_barrier if barrier else (lambda h: h)
 
     def apply(params: Params, images: jax.Array) -> jax.Array:
         """Logits for NCHW images of shape (N, 1, 28, 28); equal to `jdp.models.lenet.apply`."""
         x = images.reshape(images.shape[0], 28, 28, 1)[:, :26, :26, :]  # C = 1: NCHW → NHWC is a reshape
         w1 = params["W1"].transpose(2, 3, 1, 0)  # OIHW → HWIO
-        h = layer1(x, w1, params["b1"])  # (N, 12, 12, 20)
+        h = stored(layer1(x, w1, params["b1"]))  # (N, 12, 12, 20)
         w2 = params["W2"].transpose(2, 3, 1, 0)
         h = pool(jax.nn.relu(bias(conv2(h, w2), params["b2"])))  # (N, 4, 4, 50)
         w3 = params["W3"].reshape(50, 4, 4, -1).transpose(1, 2, 0, 3).reshape(800, -1)  # rows (c,h,w) → (h,w,c)
