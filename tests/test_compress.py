@@ -212,6 +212,23 @@ def test_a_resumed_powersgd_run_is_bit_identical_to_an_uninterrupted_one(tmp_pat
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+def test_a_powersgd_checkpoint_is_refused_by_the_setting_that_changed_its_arrays(tmp_path, devices):
+    """PowerSGD's error state is saved once per device: another device count or strategy is named as such."""
+    config = dataclasses.replace(CONFIG, compress="powersgd", powersgd_rank=1)
+    train(config, SMALL, devices[:2], checkpoint_dir=tmp_path / "powersgd", checkpoint_every=3)
+    with pytest.raises(ConfigError, match=r"holds `--compress powersgd`'s state for each of 2 devices; this run "
+                                          r"has 4\. Resume on 2 devices"):
+        train(config, SMALL, devices[:4], checkpoint_dir=tmp_path / "powersgd", resume=True)
+    plain = dataclasses.replace(config, compress="none", powersgd_rank=None)
+    with pytest.raises(ConfigError, match=r"This run's allreduce \(`--allreduce psum`\) keeps no state per device, "
+                                          r"the checkpoint's \(`--compress powersgd`\) does:"):
+        train(plain, SMALL, devices[:2], checkpoint_dir=tmp_path / "powersgd", resume=True)
+    train(plain, SMALL, devices[:2], checkpoint_dir=tmp_path / "plain", checkpoint_every=3)
+    with pytest.raises(ConfigError, match=r"\(`--compress powersgd`\) keeps state per device, the checkpoint's "
+                                          r"\(`--allreduce psum`\) does not:"):
+        train(config, SMALL, devices[:2], checkpoint_dir=tmp_path / "plain", resume=True)
+
+
 ROUNDS_UNDER_FLAGS = """
 import jdp
 jdp.enable_xla_flags()

@@ -189,7 +189,8 @@ def train(
     layout = _opt_state_layout(config, optimizer, strategy, models.trainable(model, params), devices)
     keeper = Keeper(
         checkpoint_dir, checkpoint_every,
-        describe_run(config.to_dict(), dataset, len(devices)) if checkpoint_dir is not None else None,
+        describe_run(config.to_dict(), dataset, len(devices), per_device_state=strategy.init is not None)
+        if checkpoint_dir is not None else None,
         steps_per_epoch, guards.Watch(params, check_replicas, same=_same_on_every_device(model),
                                       same_opt_state=layout.same),
         lambda tree: unreplicate(tree, config.backend), jax.random.key_data(data_key),

@@ -33,11 +33,17 @@ def dataset_fingerprint(dataset: Any) -> dict[str, Any]:
     return {"train": len(dataset.train.labels), "test": len(dataset.test.labels), "sha256": digest.hexdigest()}
 
 
-def describe_run(config: dict[str, Any], dataset: Any, device_count: int) -> dict[str, Any]:
-    """What `check_resumable` compares: the run's settings (JSON values), its data and device count."""
+def describe_run(config: dict[str, Any], dataset: Any, device_count: int,
+                 per_device_state: bool = False) -> dict[str, Any]:
+    """What `check_resumable` compares: the run's settings (JSON values), its data and device count.
+
+    `per_device_state`: the allreduce strategy keeps state of its own on each device (PowerSGD's
+    error feedback), which the checkpoint then holds once per device.
+    """
     return {
         "config": config,
         "devices": device_count,
+        "per_device_state": per_device_state,
         "dataset": dataset_fingerprint(dataset),
         "jax_version": jax.__version__,
     }
@@ -47,7 +53,8 @@ def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuses a checkpoint whose optimizer state is of another kind (`--optimizer`, `--shard-optimizer`).
 
     Checked before the arrays are read, so the error names the flag, not the first array that differs.
-    The device count may change under `--shard-optimizer`: the state is stored unsliced (`jdp.parallel.zero`).
+    The device count may change under `--shard-optimizer`: the state is stored unsliced (`jdp.parallel.zero`);
+    it may not with an allreduce that keeps state per device (`--compress powersgd`).
 
     Raises:
       ConfigError: naming the setting that differs.
@@ -60,6 +67,24 @@ def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
                 "optimizer states hold other arrays. Resume with the checkpoint's setting, or pass a new "
                 "`--checkpoint-dir`."
             )
+    had = saved.get("per_device_state", old.get("compress") == "powersgd")  # checkpoints from before the field
+    has = current.get("per_device_state", False)
+    if had != has:
+        raise ConfigError(
+            f"This run's allreduce ({_strategy(new)}) {'keeps' if has else 'keeps no'} state per device, the "
+            f"checkpoint's ({_strategy(old)}) {'does' if had else 'does not'}: their optimizer states hold other "
+            "arrays. Resume with the checkpoint's setting, or pass a new `--checkpoint-dir`."
+        )
+    if has and saved["devices"] != current["devices"]:
+        raise ConfigError(
+            f"The checkpoint holds {_strategy(old)}'s state for each of {saved['devices']} devices; this run has "
+            f"{current['devices']}. Resume on {saved['devices']} devices, or pass a new `--checkpoint-dir`."
+        )
+
+
+def _strategy(config: dict[str, Any]) -> str:
+    compress = config.get("compress", "none")
+    return f"`--compress {compress}`" if compress != "none" else f"`--allreduce {config.get('allreduce')}`"
 
 
 def _shown(name: str, value: Any) -> str:
