@@ -6,6 +6,7 @@ counts, and on GPUs 2 devices were no faster than 1 because its loop was dominat
 """
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -38,7 +39,7 @@ def main() -> None:
                 history = json.loads((Path(tmp) / "history.json").read_text())
             sec = sum(e["seconds"] for e in history["epochs"]) / len(history["epochs"])
             acc = history["epochs"][-1]["test_acc"]
-            runs.append({"command": shlex.join(cmd), "devices": history["devices"], "allreduce": strategy,
+            runs.append({"command": recorded(cmd, tmp), "devices": history["devices"], "allreduce": strategy,
                          "test_acc": acc, "sec_per_epoch": sec, "epochs": history["epochs"],
                          "jax_version": history["jax_version"]})
             rows.append((devices, strategy, f"{acc:.4f}", f"{sec:.1f}", ", ".join(history["devices"])))
@@ -47,6 +48,12 @@ def main() -> None:
     common.write_outputs(out, "reproduce", {"quick": args.quick, "machine": common.machine(), "lesson": LESSON,
                                             "runs": runs}, table)
     plot(runs, out / "reproduce.png")
+
+
+def recorded(cmd: list[str], tmp: str) -> str:
+    """`cmd` as the JSON records it, with no absolute path of this machine: the temporary `--out` as
+    `<tmp>`, any other absolute path relative to the working directory (the checkout, when run as documented)."""
+    return " ".join("<tmp>" if a == tmp else shlex.quote(os.path.relpath(a) if os.path.isabs(a) else a) for a in cmd)
 
 
 def plot(runs: list[dict], path: Path) -> None:
