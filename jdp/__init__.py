@@ -8,7 +8,6 @@ Everything not listed in `__all__` is an implementation detail.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from jdp import plot, testing
 from jdp.data import Dataset, Split
 from jdp.data import load as load_dataset
 from jdp.data import synthetic as synthetic_dataset
@@ -17,25 +16,45 @@ from jdp.models import Model, summed_cross_entropy
 from jdp.models import get as get_model
 from jdp.models import names as model_names
 from jdp.models import register as register_model
-from jdp.parallel.allreduce import Allreduce, fused
 from jdp.parallel.allreduce import get as get_allreduce
 from jdp.parallel.allreduce import names as allreduce_names
 from jdp.parallel.allreduce import register as register_allreduce
+from jdp.parallel.buckets import fused
 from jdp.parallel.compress import low_precision, powersgd
-from jdp.parallel.layout import replicate, split_batch, unreplicate
+from jdp.parallel.layout import map_over_devices, replicate, split_batch, unreplicate
+from jdp.parallel.opt_state import OptState
+from jdp.parallel.opt_state import init_sharded as init_sharded_opt_state
 from jdp.parallel.step import make_train_step
-from jdp.parallel.zero import init_state as init_sharded_opt_state
+from jdp.parallel.strategy import Allreduce
 from jdp.runtime.devices import AXIS, select_devices, simulate_cpu_devices
 from jdp.runtime.devices import describe as describe_devices
 from jdp.runtime.xla_flags import enable as enable_xla_flags
+from jdp.training.config import TrainConfig
 from jdp.training.evaluate import make_evaluator
-from jdp.training.loop import EpochRecord, TrainConfig, train
+from jdp.training.loop import EpochRecord, train
 from jdp.training.optimizers import make as make_optimizer
 
 try:
     __version__ = version("jdp")
 except PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0.0.0+unknown"
+
+# Imported on first use (PEP 562), so that `import jdp` loads neither matplotlib nor the test helpers.
+_LAZY = ("plot", "testing")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(f"jdp.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'jdp' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 __all__ = [
     "AXIS",
@@ -47,6 +66,7 @@ __all__ = [
     "EpochRecord",
     "JdpError",
     "Model",
+    "OptState",
     "Split",
     "TrainConfig",
     "TrainingError",
@@ -63,6 +83,7 @@ __all__ = [
     "make_evaluator",
     "make_optimizer",
     "make_train_step",
+    "map_over_devices",
     "model_names",
     "plot",
     "powersgd",

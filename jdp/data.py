@@ -10,7 +10,6 @@ import os
 import shutil
 import struct
 import tempfile
-import urllib.request
 from importlib import resources
 from pathlib import Path
 from typing import NamedTuple
@@ -27,6 +26,7 @@ FILES = {
     "test_labels": "t10k-labels-idx1-ubyte.gz",
 }
 IMAGES_MAGIC, LABELS_MAGIC = 0x00000803, 0x00000801  # ubyte data with 3 dims / 1 dim
+DATASETS = ("fashion_mnist", "tfds", "synthetic")  # what `load` reads: the IDX files, tfds's copy, generated
 CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
            "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 
@@ -88,7 +88,7 @@ def load_idx(data_dir: str | os.PathLike) -> Dataset:
     """Loads the four canonical Fashion-MNIST IDX files from `data_dir`."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise DataError(f"Data directory not found: {data_dir}. Pass `--data-dir` or set $JDP_DATA_DIR.")
+        raise DataError(f"Data directory not found: {data_dir}. Pass `data_dir` or set $JDP_DATA_DIR.")
     missing = [name for name in FILES.values() if not (data_dir / name).is_file()]
     if missing:
         raise DataError(f"{data_dir} lacks {', '.join(missing)}; it needs all four Fashion-MNIST IDX files.")
@@ -106,7 +106,7 @@ def load_idx(data_dir: str | os.PathLike) -> Dataset:
 
 
 def default_data_dirs() -> list[Path]:
-    """Where jdp looks when no `--data-dir` is given, in order."""
+    """Where jdp looks when no `data_dir` is given, in order."""
     dirs = [Path(os.environ["JDP_DATA_DIR"])] if os.environ.get("JDP_DATA_DIR") else []
     return dirs + [Path("../shared/data/fashion-mnist"), Path.home() / ".cache" / "jdp" / "fashion-mnist"]
 
@@ -126,7 +126,7 @@ def find_data_dir(data_dir: str | os.PathLike | None = None, *, download: bool =
     if not download:
         raise DataError(
             "Fashion-MNIST not found in " + ", ".join(map(str, default_data_dirs()))
-            + ". Pass `--data-dir DIR` holding the four IDX files, or set $JDP_DATA_DIR."
+            + ". Pass `data_dir`, a directory holding the four IDX files, or set $JDP_DATA_DIR."
         )
     return download_fashion_mnist(target)
 
@@ -144,6 +144,8 @@ def download_fashion_mnist(target: str | os.PathLike) -> Path:
     Each file is written to a temporary name and renamed only once verified, so an interrupted or
     corrupt download never leaves a file that looks valid.
     """
+    import urllib.request  # a fifth of `import jdp`'s own time otherwise, for a download that rarely happens
+
     target = Path(target)
     target.mkdir(parents=True, exist_ok=True)
     for name, (url, size, sha256) in _tfds_checksums().items():
@@ -156,7 +158,7 @@ def download_fashion_mnist(target: str | os.PathLike) -> Path:
             except OSError as e:
                 os.unlink(tmp.name)
                 raise DataError(
-                    f"Could not download {url} ({e}). Without network access, pass `--data-dir` "
+                    f"Could not download {url} ({e}). Without network access, pass `data_dir` "
                     "pointing at the four Fashion-MNIST IDX files."
                 ) from None
         digest = hashlib.sha256(Path(tmp.name).read_bytes()).hexdigest()
@@ -201,11 +203,12 @@ def synthetic(key: jax.Array, n_train: int = 2048, n_test: int = 512) -> Dataset
 
 
 def load(name: str, data_dir: str | os.PathLike | None = None, *, seed: int = 0) -> Dataset:
-    """The dataset called `name`: "fashion_mnist" (IDX files), "tfds" (tfds-prepared) or "synthetic"."""
+    """The dataset called `name`, one of `DATASETS`: "fashion_mnist" (IDX files), "tfds" (tfds-prepared) or
+    "synthetic" (`synthetic` with `seed`); `data_dir` as `find_data_dir` (fashion_mnist) or tfds's (tfds)."""
     if name == "fashion_mnist":
         return load_idx(find_data_dir(data_dir))
     if name == "tfds":
         return load_tfds(data_dir)
     if name == "synthetic":
         return synthetic(jax.random.key(seed))
-    raise DataError(f"Unknown dataset `{name}`; choose fashion_mnist, tfds or synthetic.")
+    raise DataError(f"Unknown dataset `{name}`: `name` must be one of {', '.join(DATASETS)}.")

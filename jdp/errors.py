@@ -1,7 +1,11 @@
 """The one exception family jdp raises for problems a user can fix.
 
-The CLI turns any `JdpError` into a single line on stderr and exit status 2; anything else is a bug
-and keeps its traceback.
+Messages name the Python arguments they are about, in backticks: a bare name (`accumulate`) or a
+name with its value (`accumulate=5`, `shard_optimizer=True`), the name being the argument's or the
+`TrainConfig` field's. The library is called from Python, so that is what its errors speak; the
+CLI rewrites each name that is one of its flags into the flag (`--accumulate 5`,
+`--shard-optimizer`) before printing the message as a single line on stderr with exit status 2.
+Anything that is not a `JdpError` is a bug and keeps its traceback.
 """
 
 
@@ -10,7 +14,7 @@ class JdpError(Exception):
 
 
 class ConfigError(JdpError, ValueError):
-    """A flag or argument has a value that jdp cannot use."""
+    """An argument or setting has a value that jdp cannot use."""
 
 
 class DataError(JdpError, ValueError):
@@ -25,7 +29,10 @@ class TrainingError(JdpError, RuntimeError):
     """A run stopped because its numbers went wrong (non-finite values, replicas that diverged)."""
 
 
-def check_positive(flag: str, value: int, unit: str = "integer") -> None:
-    """Raises ConfigError unless `value`, given as `flag`, is at least 1 (the one copy of this check)."""
+def check_positive(name: str, value: int, unit: str = "integer") -> None:
+    """Raises ConfigError unless `value`, passed as the argument `name`, is at least 1.
+
+    The one copy of this check: "`accumulate` must be a positive integer, got 0."
+    """
     if value < 1:
-        raise ConfigError(f"`{flag}` must be a positive {unit}, got {value}.")
+        raise ConfigError(f"`{name}` must be a positive {unit}, got {value}.")

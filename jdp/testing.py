@@ -25,10 +25,11 @@ import optax
 
 from jdp import models
 from jdp.errors import ConfigError
-from jdp.parallel import allreduce as allreduce_lib
-from jdp.parallel.allreduce import Allreduce
-from jdp.parallel.layout import replicate, sharded, split_batch
+from jdp.parallel import collectives, strategy as strategy_lib
+from jdp.parallel.layout import map_over_devices, replicate, sharded, split_batch
+from jdp.parallel.opt_state import init_sharded
 from jdp.parallel.step import make_train_step
+from jdp.parallel.strategy import Allreduce
 from jdp.runtime.devices import AXIS
 
 __all__ = ["check_allreduce"]
@@ -40,7 +41,8 @@ SGD_IMAGES_PER_DEVICE = 4
 SGD_LEARNING_RATE = 0.2  # the lesson's
 SGD_RTOL, SGD_ATOL = 1e-5, 1e-6  # params vs psum's after each step: only the order of the additions differs
 
-_PSUM = Allreduce("psum", allreduce_lib.psum)  # the reference, whatever the registry holds under "psum"
+_PSUM = Allreduce("psum", collectives.psum)  # the reference, whatever the registry holds under "psum"
+HALVES_SLICES = (1, 5)  # c: reduce-scatter buffers of k·c elements
 
 
 def check_allreduce(
@@ -66,13 +68,19 @@ def check_allreduce(
        machine epsilon (`jnp.finfo`: 2^-23 for float32, 2^-7 for bfloat16). That is twice the
        unit roundoff u, so it bounds the rounding of k−1 additions in any order (Higham's
        γ_{k−1} = (k−1)u/(1−(k−1)u)), and of adding in a wider dtype and rounding once.
-    2. At the largest device count, `sgd_steps` SGD steps of the lesson's LeNet
+    2. If it has halves (`reduce_scatter`, `all_gather`), for each k on flat float32 and bfloat16
+       buffers of k·c elements: device i's reduce-scatter result is the sum of slice i within the
+       same bound, and the all-gather of those slices leaves every device with exactly the slices,
+       in device order: reduce-scatter then all-gather is an allreduce, bit-identical on every device.
+    3. At the largest device count, `sgd_steps` SGD steps of the lesson's LeNet
        (`jdp.get_model("lenet")`) on synthetic batches of 4 images per device, through
        `jdp.make_train_step` (pmap backend): after every step the params are
        bit-identical on every device and equal to those of the same steps with psum (rtol 1e-5,
-       atol 1e-6).
+       atol 1e-6); for a strategy with halves, the same again with the optimizer sharded
+       (`shard_optimizer=True`).
 
-    An "inside" strategy is run under `jax.pmap(..., axis_name=jdp.AXIS)`; an "outside" one on
+    An "inside" strategy is mapped over the devices as the train step maps it (`jdp.map_over_devices`,
+    pmap backend, axis `jdp.AXIS`); an "outside" one is called on
     global arrays of shape (k, ...) with slice i on device i, and must return them laid out the
     same way. Device count k uses the first k of this process's devices. An "inside" strategy
     compiles once per device count, and checking the same `fn` again reuses the compilations.
@@ -90,8 +98,8 @@ def check_allreduce(
         shape) or train step, and what was wrong. An exception raised by the strategy itself is
         reported the same way (chained).
       TypeError: if `strategy` is not an `Allreduce`, or its `fn` is not callable.
-      ConfigError: if its `where` is unknown, a device count is not between 1 and the number of
-        devices, or `sgd_steps` is negative.
+      ConfigError: if its `where` is unknown, it has one half only, a device count is not between 1
+        and the number of devices, or `sgd_steps` is negative.
     """
     _check_strategy(strategy)
     devices = sorted(jax.local_devices(), key=lambda d: d.id)
@@ -100,8 +108,12 @@ def check_allreduce(
         raise ConfigError(f"`sgd_steps` must be a non-negative integer, got {sgd_steps!r}.")
     for k in counts:
         _check_sums(strategy, tuple(devices[:k]), np.random.default_rng([seed, k]))
+        if strategy.has_halves:
+            _check_halves(strategy, tuple(devices[:k]), np.random.default_rng([seed, k, 1]))
     if sgd_steps:
         _check_training(strategy, tuple(devices[: counts[-1]]), sgd_steps, seed)
+        if strategy.has_halves and not strategy.stateful:
+            _check_training(strategy, tuple(devices[: counts[-1]]), sgd_steps, seed, shard_optimizer=True)
 
 
 def _check_strategy(strategy: Any) -> None:
@@ -110,10 +122,7 @@ def _check_strategy(strategy: Any) -> None:
         raise TypeError(f"`check_allreduce` takes a `jdp.Allreduce`, got {type(strategy).__name__}{hint}.")
     if not callable(strategy.fn):
         raise TypeError(f"Allreduce `{strategy.name}` has a `fn` that is not callable: {strategy.fn!r}.")
-    if strategy.where not in ("inside", "outside"):
-        raise ConfigError(
-            f"Allreduce `{strategy.name}` has `where={strategy.where!r}`; use \"inside\" or \"outside\"."
-        )
+    strategy_lib.check(strategy)
 
 
 def _device_counts(device_counts: Sequence[int] | None, available: int) -> list[int]:
@@ -154,15 +163,20 @@ def _random_tree(rng: np.random.Generator, k: int) -> PyTree:
 
 @lru_cache(maxsize=64)
 def _mapped(fn: Any, devices: tuple[jax.Device, ...]) -> Any:
-    """An "inside" strategy's fn under `jax.pmap`, one per (fn, devices), so its compilations are reused."""
-    return jax.pmap(lambda tree: fn(tree, AXIS), axis_name=AXIS, devices=devices)  # as the train step calls it
+    """An "inside" function `fn(x, axis_name)` mapped over `devices` as the train step maps it (pmap), one
+    per (fn, devices), so its compilations are reused."""
+    mapped = map_over_devices(lambda tree: (fn(tree, AXIS),), devices, "pmap", ("per_device",), ("per_device",))
+    return lambda tree: mapped(tree)[0]
+
+
+def _run(strategy: Allreduce, fn: Any, tree: PyTree, devices: tuple[jax.Device, ...]) -> PyTree:
+    """`fn` (the strategy's sum or one of its halves) on host leaves (k, ...), row i placed on device i."""
+    placed = jax.tree.map(lambda leaf: jax.device_put(leaf, sharded(devices)), tree)
+    return _mapped(fn, devices)(placed) if strategy.where == "inside" else fn(placed)
 
 
 def _apply(strategy: Allreduce, tree: PyTree, devices: tuple[jax.Device, ...]) -> PyTree:
-    placed = jax.tree.map(lambda leaf: jax.device_put(leaf, sharded(devices)), tree)
-    if strategy.where == "inside":
-        return _mapped(strategy.fn, devices)(placed)
-    return strategy.fn(placed)
+    return _run(strategy, strategy.fn, tree, devices)
 
 
 def _check_sums(strategy: Allreduce, devices: tuple[jax.Device, ...], rng: np.random.Generator) -> None:
@@ -295,6 +309,39 @@ def _held(leaf: jax.Array, devices: tuple[jax.Device, ...], where: str) -> list[
     return rows
 
 
+def _check_halves(strategy: Allreduce, devices: tuple[jax.Device, ...], rng: np.random.Generator) -> None:
+    """Reduce-scatter then all-gather, on flat buffers: each slice summed, then every slice everywhere, in order."""
+    k = len(devices)
+    for dtype in (np.float32, jnp.bfloat16):
+        for c in HALVES_SLICES:
+            x = (rng.standard_normal((k, k * c)) * np.exp2(rng.integers(-6, 7, (k, k * c)))).astype(dtype)
+            where = f"`{strategy.name}`'s halves on {_n(k)}, {np.dtype(dtype).name} buffer of {k * c} elements"
+            try:
+                mine = jax.block_until_ready(_run(strategy, strategy.reduce_scatter, x, devices))
+                whole = jax.block_until_ready(_run(strategy, strategy.all_gather, mine, devices))
+            except Exception as error:
+                raise AssertionError(f"{where}: raised {type(error).__name__}: {error}") from error
+            for got, shape, half in ((mine, (k, c), "reduce_scatter"), (whole, (k, k * c), "all_gather")):
+                if not isinstance(got, jax.Array) or got.shape != shape or got.dtype != x.dtype:
+                    raise AssertionError(
+                        f"{where}: `{half}` returned {getattr(got, 'dtype', type(got).__name__)} of shape "
+                        f"{getattr(got, 'shape', '?')}, not {np.dtype(dtype).name} of shape {shape} (with the device axis)."
+                    )
+            slices = _held(mine, devices, f"{where}, `reduce_scatter`")
+            for i, row in enumerate(slices):
+                _check_sum(row, x[:, i * c:(i + 1) * c], f"{where}: `reduce_scatter`'s slice {i} on device {i}")
+            rows = _held(whole, devices, f"{where}, `all_gather`")
+            _check_identical(rows, f"{where}: `all_gather`")
+            differ = _bits(rows[0]) != _bits(np.concatenate(slices))
+            if differ.any():
+                index = _first(differ)
+                raise AssertionError(
+                    f"{where}: `all_gather` does not return every device's slice in device order (first at index "
+                    f"{index}: {_fmt(rows[0][index])}, device {index[0] // c}'s slice holds "
+                    f"{_fmt(np.concatenate(slices)[index])}), so reduce-scatter then all-gather is not the allreduce."
+                )
+
+
 def _leaf(strategy: Allreduce, k: int, path: Any, x: np.ndarray) -> str:
     dtype, name = np.dtype(x.dtype).name, jax.tree_util.keystr(path)
     return f"`{strategy.name}` on {_n(k)}, {dtype} leaf {name} shape {_shape(x.shape[1:])}"
@@ -326,9 +373,11 @@ def _first(mask: np.ndarray) -> tuple[int, ...]:
 Trajectory = list[list[tuple[str, np.ndarray]]]  # after each step: (param path, device 0's value) per leaf
 
 
-def _check_training(strategy: Allreduce, devices: tuple[jax.Device, ...], steps: int, seed: int) -> None:
+def _check_training(strategy: Allreduce, devices: tuple[jax.Device, ...], steps: int, seed: int,
+                    shard_optimizer: bool = False) -> None:
     reference = _psum_trajectory(devices, steps, seed)
-    got = reference if strategy == _PSUM else _trajectory(strategy, devices, steps, seed)
+    same = strategy == _PSUM and not shard_optimizer
+    got = reference if same else _trajectory(strategy, devices, steps, seed, shard_optimizer)
     for step, (params, want) in enumerate(zip(got, reference, strict=True), start=1):
         for (name, p), (_, w) in zip(params, want, strict=True):
             p64, w64 = p.astype(np.float64), w.astype(np.float64)
@@ -336,7 +385,7 @@ def _check_training(strategy: Allreduce, devices: tuple[jax.Device, ...], steps:
             if wrong.any():
                 index = _first(wrong)
                 raise AssertionError(
-                    f"{_training(strategy, devices, step)}: param {name} differs from psum's (first at index "
+                    f"{_training(strategy, devices, step, shard_optimizer)}: param {name} differs from psum's (first at index "
                     f"{index}: {_fmt(p[index])} vs {_fmt(w[index])}, {int(wrong.sum())} of {wrong.size} elements; "
                     f"rtol {SGD_RTOL:g}, atol {SGD_ATOL:g})."
                 )
@@ -347,7 +396,8 @@ def _psum_trajectory(devices: tuple[jax.Device, ...], steps: int, seed: int) -> 
     return _trajectory(_PSUM, devices, steps, seed)
 
 
-def _trajectory(strategy: Allreduce, devices: tuple[jax.Device, ...], steps: int, seed: int) -> Trajectory:
+def _trajectory(strategy: Allreduce, devices: tuple[jax.Device, ...], steps: int, seed: int,
+                shard_optimizer: bool = False) -> Trajectory:
     """Device 0's params (flat leaves) after each step, checking the replicas are identical."""
     model = models.get("lenet")
     k = len(devices)
@@ -357,8 +407,9 @@ def _trajectory(strategy: Allreduce, devices: tuple[jax.Device, ...], steps: int
     batch = SGD_IMAGES_PER_DEVICE * k
     trajectory = []
     try:
-        step = make_train_step(model.loss, optimizer, strategy, list(devices))
-        p, s = replicate(params, devices), replicate(optimizer.init(params), devices)
+        step = make_train_step(model.loss, optimizer, strategy, list(devices), shard_optimizer=shard_optimizer)
+        p = replicate(params, devices)
+        s = init_sharded(optimizer, params, list(devices)) if shard_optimizer else replicate(optimizer.init(params), devices)
         for number in range(1, steps + 1):
             images = rng.standard_normal((batch, 1, 28, 28)).astype(np.float32)
             labels = rng.integers(0, 10, batch).astype(np.int32)
@@ -366,7 +417,7 @@ def _trajectory(strategy: Allreduce, devices: tuple[jax.Device, ...], steps: int
             leaves = []
             for path, leaf in jax.tree.flatten_with_path(p)[0]:
                 name = jax.tree_util.keystr(path)
-                where = f"{_training(strategy, devices, number)}: param {name}"
+                where = f"{_training(strategy, devices, number, shard_optimizer)}: param {name}"
                 rows = _held(leaf, devices, where)
                 _check_identical(rows, where)
                 leaves.append((name, rows[0]))
@@ -374,13 +425,15 @@ def _trajectory(strategy: Allreduce, devices: tuple[jax.Device, ...], steps: int
     except AssertionError:
         raise
     except Exception as error:
+        how = ", shard_optimizer=True" if shard_optimizer else ""
         raise AssertionError(
-            f"`{strategy.name}` on {_n(k)}, in `jdp.make_train_step` (LeNet, batch {batch}): raised "
+            f"`{strategy.name}` on {_n(k)}, in `jdp.make_train_step` (LeNet, batch {batch}{how}): raised "
             f"{type(error).__name__}: {error}"
         ) from error
     return trajectory
 
 
-def _training(strategy: Allreduce, devices: tuple[jax.Device, ...], step: int) -> str:
+def _training(strategy: Allreduce, devices: tuple[jax.Device, ...], step: int, shard_optimizer: bool = False) -> str:
     k = len(devices)
-    return f"`{strategy.name}` on {_n(k)}, SGD on LeNet (batch {SGD_IMAGES_PER_DEVICE * k}), after step {step}"
+    how = "SGD sharded over the devices" if shard_optimizer else "SGD"
+    return f"`{strategy.name}` on {_n(k)}, {how} on LeNet (batch {SGD_IMAGES_PER_DEVICE * k}), after step {step}"

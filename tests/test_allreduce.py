@@ -17,7 +17,7 @@ from jdp.bench import allreduce as bench_allreduce
 from jdp.cli import main as cli
 from jdp.errors import ConfigError
 from jdp.models import lenet, summed_cross_entropy
-from jdp.parallel import allreduce
+from jdp.parallel import allreduce, buckets
 from jdp.parallel.layout import replicate, sharded, split_batch, unreplicate
 from jdp.parallel.step import make_train_step
 from jdp.runtime.devices import AXIS
@@ -95,11 +95,11 @@ def test_chunked_algorithms_on_awkward_device_counts(name, k, devices):
 
 def test_fused_buckets_respect_the_cap():
     leaves = [jnp.ones((k,)) for k in (3, 5, 8)] + [jnp.ones((4,), jnp.bfloat16)]
-    layout = allreduce._layout(leaves, lead=0)
-    buckets = allreduce._to_buckets(leaves, layout, 24.0, lead=0)
-    assert [b.size for b in buckets] == [6, 6, 4, 4]  # 16 float32 in 24-byte buckets; 4 bfloat16 in one
-    assert all(b.size * b.dtype.itemsize <= 24 for b in buckets)
-    restored = allreduce._from_buckets(buckets, layout, 24.0, lead=0)
+    layout = buckets.layout_of(leaves, lead=0)
+    cut = buckets.to_buckets(leaves, layout, 24.0, lead=0)
+    assert [b.size for b in cut] == [6, 6, 4, 4]  # 16 float32 in 24-byte buckets; 4 bfloat16 in one
+    assert all(b.size * b.dtype.itemsize <= 24 for b in cut)
+    restored = buckets.from_buckets(cut, layout, 24.0, lead=0)
     chex.assert_trees_all_equal(restored, leaves)
 
 
@@ -107,8 +107,8 @@ def test_fused_buckets_respect_the_cap():
     ("kwargs", "message"),
     [
         ({"name": "star"}, "Unknown allreduce strategy `star`"),
-        ({"name": "ring", "bucket_mb": 4.0}, "`--bucket-mb 4` only applies to fused buffers; add `--fuse`"),
-        ({"name": "ring", "fuse": True, "bucket_mb": 0.0}, "`--bucket-mb` must be positive"),
+        ({"name": "ring", "bucket_mb": 4.0}, "`bucket_mb=4` only applies to fused buffers; add `fuse=True`"),
+        ({"name": "ring", "fuse": True, "bucket_mb": 0.0}, "`bucket_mb` must be positive"),
     ],
 )
 def test_bad_strategy_options_are_config_errors(kwargs, message):

@@ -117,7 +117,7 @@ def test_shard_map_eval_equals_single_device(on_all_devices, devices):
 
 
 def test_unknown_backend_is_a_config_error(devices):
-    with pytest.raises(ConfigError, match="Unknown `--backend vmap`"):
+    with pytest.raises(ConfigError, match="Unknown `backend=vmap`"):
         make_train_step(LOSS, sgd(0.1), allreduce.get("psum"), devices[:2], backend="vmap")
 
 
@@ -126,6 +126,6 @@ def test_outside_strategies_are_refused_across_processes(devices):
     (here a stand-in: only its `process_index` is read) must be refused, naming the fix."""
     elsewhere = type("RemoteDevice", (), {"process_index": jax.process_index() + 1})()
     for name in OUTSIDE:
-        with pytest.raises(ConfigError, match=f"`--allreduce {name}` copies buffers .* Use a collective strategy"):
+        with pytest.raises(ConfigError, match=f"`allreduce={name}` copies buffers .* Use a collective strategy"):
             make_train_step(LOSS, sgd(0.1), allreduce.get(name), [devices[0], elsewhere], backend="shard_map")
     make_train_step(LOSS, sgd(0.1), allreduce.get(INSIDE[0]), devices[:2], backend="shard_map")  # no error

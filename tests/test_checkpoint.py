@@ -19,7 +19,8 @@ from jdp.models import lenet
 from jdp.parallel import layout
 from jdp.training import checkpoint
 from jdp.training import feeders as pipeline
-from jdp.training.loop import TrainConfig, checkpoint_target, train
+from jdp.training.config import TrainConfig, checkpoint_target
+from jdp.training.loop import train
 
 
 def state(seed=0):
@@ -105,7 +106,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog
 def test_no_intact_checkpoint_is_a_clear_error_and_nothing_is_touched(tmp_path, content):
     bad = tmp_path / "checkpoint-000000007.msgpack"
     bad.write_bytes(content)
-    with pytest.raises(DataError, match=r"No intact checkpoint in `--checkpoint-dir .*`: .*checkpoint-000000007"):
+    with pytest.raises(DataError, match=r"No intact checkpoint in `checkpoint_dir=.*`: .*checkpoint-000000007"):
         checkpoint.restore_latest(tmp_path, state())
     assert bad.read_bytes() == content
 
@@ -149,7 +150,7 @@ def test_existing_checkpoints_need_resume(tmp_path):
     checkpoint.check_directory(tmp_path / "new", resume=False)  # missing: fine, created on the first save
     checkpoint.save(tmp_path, 5, state(), {})
     with pytest.raises(ConfigError, match=r"already holds checkpoints \(newest: checkpoint-000000005.msgpack\); "
-                                          r"pass `--resume`"):
+                                          r"pass `resume=True`"):
         checkpoint.check_directory(tmp_path, resume=False)
     checkpoint.check_directory(tmp_path, resume=True)
 
@@ -224,8 +225,8 @@ def test_resume_refuses_another_batch_size_seed_or_dataset(one_epoch, tmp_path, 
     shutil.copytree(one_epoch, tmp_path, dirs_exist_ok=True)
     other = data.synthetic(jax.random.key(1), n_train=128, n_test=32)
     for config, dataset, k, message in [
-        (dataclasses.replace(CONFIG, batch_size=32), SMALL, 2, "`--batch-size 32` differs from the checkpoint's 16"),
-        (dataclasses.replace(CONFIG, seed=1), SMALL, 2, "`--seed 1` differs from the checkpoint's 0"),
+        (dataclasses.replace(CONFIG, batch_size=32), SMALL, 2, "`batch_size=32` differs from the checkpoint's 16"),
+        (dataclasses.replace(CONFIG, seed=1), SMALL, 2, "`seed=1` differs from the checkpoint's 0"),
         (CONFIG, other, 2, "was written for another dataset"),
         (CONFIG, SMALL, 3, "divisible by the number of devices"),  # as for a fresh run
     ]:

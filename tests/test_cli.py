@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from jdp.cli import main as cli
+from jdp.cli.errors import as_flags, option_flags
 
 
 def run_cli(*args, timeout=300):
@@ -57,3 +58,35 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
         code, err = code.returncode, code.stderr
     assert code == 2
     assert err.strip().count("\n") == 0 and message in err and "Traceback" not in err
+
+
+def test_library_names_are_printed_as_the_commands_flags():
+    parser = cli.build_parser()
+    args = parser.parse_args(["train"])
+    options = option_flags(parser, args)
+    message = ("`accumulate=5` cuts each device's 12 rows into uneven micro-batches; `shard_optimizer` needs "
+               "`allreduce=psum`. `shard_optimizer=True`, `fuse=False`, `unknown_name=3`, `shard_optimizer`d, `a b`.")
+    assert as_flags(message, options) == (
+        "`--accumulate 5` cuts each device's 12 rows into uneven micro-batches; `--shard-optimizer` needs "
+        "`--allreduce psum`. `--shard-optimizer`, `no --fuse`, `unknown_name=3`, `--shard-optimizer`d, `a b`.")
+    bench = parser.parse_args(["bench", "allreduce"])  # the flags of the subcommand that ran, not of `train`
+    assert as_flags("`repeats` must be a positive integer; `accumulate=5`", option_flags(parser, bench)) == (
+        "`--repeats` must be a positive integer; `accumulate=5`")
+
+
+def test_a_library_error_is_reported_with_the_flag(capsys):
+    assert cli.main(["train", "--dataset", "synthetic", "--accumulate", "0"]) == 2
+    assert "`--accumulate` must be a positive integer, got 0" in capsys.readouterr().err
+    assert cli.main(["bench", "train", "--dataset", "synthetic", "--rounds", "0"]) == 2
+    assert "`--rounds` must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_train_flags_are_the_fields_of_train_config():
+    """`run_train` builds `TrainConfig(**{field: args.field})`: every field needs a `jdp train` flag of that dest."""
+    import dataclasses
+
+    from jdp.training.config import TrainConfig
+
+    train = cli.build_parser().parse_args(["train"])
+    assert {f.name for f in dataclasses.fields(TrainConfig)} <= set(vars(train))
+    assert TrainConfig(**{f.name: getattr(train, f.name) for f in dataclasses.fields(TrainConfig)}) == TrainConfig()

@@ -9,6 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jdp
@@ -16,9 +17,11 @@ from jdp import data
 from jdp.errors import ConfigError
 from jdp.parallel import compress
 from jdp.parallel.layout import sharded
+from jdp.parallel.opt_state import OptState
 from jdp.runtime.devices import AXIS
 from jdp.training import checkpoint
-from jdp.training.loop import TrainConfig, checkpoint_target, train
+from jdp.training.config import TrainConfig, checkpoint_target
+from jdp.training.loop import train
 
 K = 4  # devices for these tests: enough for a ring, tree with a fold-free power of two, and a root
 STRATEGIES = ["psum", "ring", "tree", "manual", "manual_ring"]
@@ -57,7 +60,7 @@ def test_cast_stays_within_the_rounding_bound_of_its_dtype(name, mode, devices):
     """k inputs rounded to the low dtype (u each) and k−1 additions rounded to it: |error| ≤ (2k−1)·u·Σ|x_i|
     to first order (Higham §4.2); the -wire ring rounds once per hop instead, k times. The test allows 2k·u."""
     if mode.endswith("-wire") and name != "ring":
-        with pytest.raises(ConfigError, match=f"`--compress {mode}` sends low precision.*use `--allreduce ring`"):
+        with pytest.raises(ConfigError, match=f"`compress={mode}` sends low precision.*use `allreduce=ring`"):
             compress.get(name, compress=mode)
         return
     rng = np.random.default_rng(0)
@@ -88,7 +91,8 @@ def test_the_wire_variant_rounds_less_than_summing_in_bf16(devices):
 # ---- PowerSGD ------------------------------------------------------------------------------------
 
 def powersgd_state(strategy, grads_one, devices):
-    return compress.place_state(compress.init_state(strategy, jax.random.key(0), grads_one, len(devices)), devices)
+    state = OptState(optax.identity(), grads_one, len(devices), strategy=strategy)
+    return state.split(state.place(state.init(grads_one, jax.random.key(0)), devices, "pmap"))[1]
 
 
 @pytest.mark.parametrize("name", ["psum", "manual"])
@@ -176,12 +180,12 @@ def test_replicas_stay_bit_identical(name, mode, rank, fuse, devices):
 
 
 def test_powersgd_refuses_shard_map_and_ranks_without_it():
-    with pytest.raises(ConfigError, match="keeps different state on each device.*Use `--backend pmap`"):
+    with pytest.raises(ConfigError, match="keeps different state on each device.*Use `backend=pmap`"):
         train(dataclasses.replace(CONFIG, compress="powersgd", backend="shard_map"), SMALL, jax.devices()[:2])
-    with pytest.raises(ConfigError, match="`--powersgd-rank 2` applies to `--compress powersgd` only"):
-        dataclasses.replace(CONFIG, compress="bf16", powersgd_rank=2).validate()
-    with pytest.raises(ConfigError, match="`--powersgd-rank` must be a positive integer, got 0"):
-        dataclasses.replace(CONFIG, compress="powersgd", powersgd_rank=0).validate()
+    with pytest.raises(ConfigError, match="`powersgd_rank=2` applies to `compress=powersgd` only"):
+        dataclasses.replace(CONFIG, compress="bf16", powersgd_rank=2)
+    with pytest.raises(ConfigError, match="`powersgd_rank` must be a positive integer, got 0"):
+        dataclasses.replace(CONFIG, compress="powersgd", powersgd_rank=0)
 
 
 # ---- bytes, and resume ------------------------------------------------------------------------------
@@ -216,16 +220,16 @@ def test_a_powersgd_checkpoint_is_refused_by_the_setting_that_changed_its_arrays
     """PowerSGD's error state is saved once per device: another device count or strategy is named as such."""
     config = dataclasses.replace(CONFIG, compress="powersgd", powersgd_rank=1)
     train(config, SMALL, devices[:2], checkpoint_dir=tmp_path / "powersgd", checkpoint_every=3)
-    with pytest.raises(ConfigError, match=r"holds `--compress powersgd`'s state for each of 2 devices; this run "
+    with pytest.raises(ConfigError, match=r"holds `compress=powersgd`'s state for each of 2 devices; this run "
                                           r"has 4\. Resume on 2 devices"):
         train(config, SMALL, devices[:4], checkpoint_dir=tmp_path / "powersgd", resume=True)
     plain = dataclasses.replace(config, compress="none", powersgd_rank=None)
-    with pytest.raises(ConfigError, match=r"This run's allreduce \(`--allreduce psum`\) keeps no state per device, "
-                                          r"the checkpoint's \(`--compress powersgd`\) does:"):
+    with pytest.raises(ConfigError, match=r"This run's allreduce \(`allreduce=psum`\) keeps no state per device, "
+                                          r"the checkpoint's \(`compress=powersgd`\) does:"):
         train(plain, SMALL, devices[:2], checkpoint_dir=tmp_path / "powersgd", resume=True)
     train(plain, SMALL, devices[:2], checkpoint_dir=tmp_path / "plain", checkpoint_every=3)
-    with pytest.raises(ConfigError, match=r"\(`--compress powersgd`\) keeps state per device, the checkpoint's "
-                                          r"\(`--allreduce psum`\) does not:"):
+    with pytest.raises(ConfigError, match=r"\(`compress=powersgd`\) keeps state per device, the checkpoint's "
+                                          r"\(`allreduce=psum`\) does not:"):
         train(config, SMALL, devices[:2], checkpoint_dir=tmp_path / "plain", resume=True)
 
 

@@ -101,7 +101,7 @@ def test_find_data_dir_without_download_names_the_places(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("JDP_DATA_DIR", raising=False)
-    with pytest.raises(DataError, match="--data-dir"):
+    with pytest.raises(DataError, match="Pass `data_dir`"):
         data.find_data_dir(None, download=False)
 
 

@@ -17,7 +17,8 @@ from jdp.parallel.inflight import InFlight
 from jdp.parallel.layout import replicate, split_batch
 from jdp.parallel.step import make_train_step
 from jdp.training import checkpoint, guards
-from jdp.training.loop import TrainConfig, checkpoint_target, train
+from jdp.training.config import TrainConfig, checkpoint_target
+from jdp.training.loop import train
 
 LOSSES = np.ones(8, np.float32)
 
@@ -37,7 +38,7 @@ def test_finite_flags_pass_finite_values():
 def test_non_finite_loss_names_the_step_and_the_checkpoint(tmp_path):
     flags = guards.finite_flags(jnp.asarray([1.0, np.nan]), params_with())
     with pytest.raises(TrainingError, match=r"Stopped at step 7: the loss is not finite .* last good checkpoint .* is "
-                                            r".*ckpt.*`--resume`"):
+                                            r".*ckpt.*`resume=True`"):
         guards.check_finite(flags, guards.leaf_names(params_with()), step=7, last_good=tmp_path / "ckpt")
 
 

@@ -1,12 +1,16 @@
 """Imports follow the data flow: no cycle among jdp's modules, no module importing a layer above it,
-nothing in the library importing the CLI, and user code (experiments, notebook) using `jdp` only.
+nothing in the library (the benchmarks included) importing the CLI, user code (experiments, notebook)
+using `jdp` only, and `import jdp` leaving out what only some calls need (matplotlib, the test helpers).
 
-Read from the source with `ast` (nothing is imported), including imports inside functions.
+Read from the source with `ast` (nothing is imported), including imports inside functions; the last
+check runs `import jdp` in a fresh interpreter.
 """
 
 import ast
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # (layer, modules): a module may import modules of its own layer or a lower one. A name covers the
-# module itself and everything under it, the most specific name winning (jdp.cli.flags over jdp.cli).
+# module itself and everything under it, the most specific name winning (jdp.models.lenet over jdp.models).
 LAYERS = (
     (0, ("jdp.errors",)),
     (1, ("jdp.runtime",)),
@@ -22,13 +26,17 @@ LAYERS = (
     (3, ("jdp.models",)),
     (4, ("jdp.parallel",)),
     (5, ("jdp.training",)),
-    (6, ("jdp.testing", "jdp.cli.flags")),
+    (6, ("jdp.testing", "jdp.flags")),  # jdp.flags: the flags the CLI and the benchmarks share
     (7, ("jdp.bench",)),
     (8, ("jdp.cli",)),  # jdp.cli.main included
     (9, ("jdp", "jdp.__main__")),  # "jdp" is jdp/__init__.py only
 )
-CLI = ("jdp.cli", "jdp.cli.main")  # what only jdp/cli/ (and `python -m jdp`) may import
-CLI_ENTRY_POINTS = ("jdp.__main__",)
+CLI_ENTRY_POINTS = ("jdp.__main__",)  # besides jdp/cli/ itself, the one module that may import the CLI
+
+
+def is_cli(module: str) -> bool:
+    """jdp.cli or anything under it: what only jdp/cli/ (and `python -m jdp`) may import."""
+    return module == "jdp.cli" or module.startswith("jdp.cli.")
 
 
 def layer_table() -> str:
@@ -147,8 +155,7 @@ def package_problems(package_dir: Path) -> list[str]:
             if have is not None and want is not None and want > have:
                 problems.append(f"{rel}:{line}: {module} (layer {have}) imports {target} (layer {want}), "
                                 "against the data flow")
-            in_cli = module == "jdp.cli" or module.startswith("jdp.cli.")
-            if target in CLI and not in_cli and module not in CLI_ENTRY_POINTS:
+            if is_cli(target) and not is_cli(module) and module not in CLI_ENTRY_POINTS:
                 problems.append(f"{rel}:{line}: {module} imports the CLI ({target}); only jdp/cli/ may")
     cycle = find_cycle(graph)
     if cycle:
@@ -223,14 +230,35 @@ def user_problems(root: Path) -> list[str]:
 
 def test_every_module_is_parsed_and_placed():
     modules, graph = import_graph(ROOT / "jdp")
-    assert {"jdp", "jdp.__main__", "jdp.errors", "jdp.cli.main", "jdp.cli.flags", "jdp.models.lenet",
+    assert {"jdp", "jdp.__main__", "jdp.errors", "jdp.cli.main", "jdp.cli.errors", "jdp.flags", "jdp.models.lenet",
             "jdp.training.loop"} <= set(modules)
+    assert "jdp.cli.flags" not in modules  # the shared flags live below the CLI and the benchmarks: jdp.flags
     assert any(target == "jdp.models.lenet" for target, _ in graph["jdp.models"])  # `from jdp.models import lenet`
     assert any(target == "jdp.bench.allreduce" for target, _ in graph["jdp.cli.main"])  # inside a function
 
 
 def test_jdp_imports_follow_the_data_flow_without_cycles():
     assert_no_problems(package_problems(ROOT / "jdp"))
+
+
+def test_the_benchmarks_never_import_the_cli():
+    modules, graph = import_graph(ROOT / "jdp")
+    bench = [m for m in modules if m.startswith("jdp.bench.")]
+    assert bench and all(any(t == "jdp.flags" for t, _ in graph[m]) for m in bench if m.split(".")[-1] in (
+        "allreduce", "step", "train", "memory", "formulations"))
+    assert [(m, t) for m in bench for t, _ in graph[m] if is_cli(t)] == []
+
+
+def test_import_jdp_leaves_out_matplotlib_and_the_test_helpers():
+    """`jdp.plot` and `jdp.testing` are imported on first use (jdp/__init__.py's `__getattr__`)."""
+    code = ("import sys, jdp\n"
+            "print(sorted(m for m in ('matplotlib', 'jdp.plot', 'jdp.testing', 'tqdm', 'flax', 'tensorflow_datasets')"
+            " if m in sys.modules))\n"
+            "assert jdp.plot.accuracy_per_epoch and jdp.testing.check_allreduce and 'plot' in dir(jdp)\n"
+            "print('matplotlib' in sys.modules, 'jdp.testing' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "True True"]
 
 
 def test_experiments_and_notebook_use_only_the_public_api():
@@ -249,6 +277,13 @@ def tree_copy(tmp_path):
 def plant(path: Path, line: str, *, in_function: bool = False) -> None:
     code = f"\n\ndef _planted():\n    {line}\n" if in_function else f"\n{line}\n"
     path.write_text(path.read_text() + code)
+
+
+def test_check_catches_a_benchmark_importing_the_cli(tree_copy):
+    plant(tree_copy / "jdp" / "bench" / "step.py", "from jdp.cli.errors import as_flags", in_function=True)
+    problems = package_problems(tree_copy / "jdp")
+    assert any("jdp.bench.step (layer 7) imports jdp.cli.errors (layer 8)" in p for p in problems), problems
+    assert any("jdp.bench.step imports the CLI (jdp.cli.errors)" in p for p in problems), problems
 
 
 def test_check_catches_an_import_against_the_data_flow(tree_copy):

@@ -73,10 +73,10 @@ def test_launcher_appends_the_job_flags_and_uses_this_interpreter():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(coordinator="127.0.0.1:1234"), "missing `--num-processes`, `--process-id`"),
+        (dict(coordinator="127.0.0.1:1234"), "missing `num_processes`, `process_id`"),
         (dict(coordinator="localhost", num_processes=2, process_id=0), "must be HOST:PORT"),
         (dict(coordinator="127.0.0.1:1234", num_processes=2, process_id=2), "must be in [0, 2)"),
-        (dict(num_processes=1, process_id=1), "must be 0 with `--num-processes 1`"),
+        (dict(num_processes=1, process_id=1), "`process_id=1` must be 0 with `num_processes=1`"),
     ],
 )
 def test_bad_job_flags_are_config_errors(kwargs, message):

@@ -61,7 +61,7 @@ def test_runner_equals_the_host_loop(split, devices, resident, strategy, steps_p
 
 def test_several_steps_per_call_need_a_collective_strategy(split, devices):
     step = make_train_step(summed_cross_entropy(lenet.apply), OPTIMIZER, allreduce.get("manual"), devices[:2])
-    with pytest.raises(ConfigError, match="`--steps-per-call 2`"):
+    with pytest.raises(ConfigError, match="`steps_per_call=2`"):
         pipeline.make_epoch_runner(step, split, devices[:2], BATCH, steps_per_call=2, traceable=False)
 
 

@@ -56,8 +56,8 @@ def test_float32_precision_is_the_model_itself():
 
 
 def test_unknown_precision_is_refused_by_name():
-    with pytest.raises(ConfigError, match=r"`--precision` must be one of float32, bf16, got `fp8`"):
-        TrainConfig(precision="fp8").validate()
+    with pytest.raises(ConfigError, match=r"`precision` must be one of float32, bf16, got `fp8`"):
+        TrainConfig(precision="fp8")
 
 
 def one_step(strategy, devices, name="bf16", backend="pmap"):

@@ -45,9 +45,9 @@ def test_op_seconds_counts_each_op_once_and_collectives_apart(tmp_path):
 def test_profile_steps_must_be_a_window_of_the_run():
     assert profile.parse_steps("3:12") == (3, 12)
     for bad in ("0:3", "5:4", "3", "a:b"):
-        with pytest.raises(ConfigError, match=f"`--profile-steps {bad}` must be A:B with 1 <= A <= B"):
+        with pytest.raises(ConfigError, match=f"`profile_steps={bad}` must be A:B with 1 <= A <= B"):
             profile.parse_steps(bad)
-    with pytest.raises(ConfigError, match="`--profile-steps 3:20` goes past the run's 8 steps; choose B <= 8"):
+    with pytest.raises(ConfigError, match="`profile_steps=3:20` goes past the run's 8 steps; choose B <= 8"):
         train(TrainConfig(batch_size=16, epochs=1, model=tiny_model()), SMALL, jax.devices()[:2],
               profile=profile.Profiler("unused", 3, 20, 2, "inside"))
 

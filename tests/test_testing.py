@@ -1,13 +1,16 @@
 """`jdp.testing.check_allreduce`: passes every built-in strategy, catches planted bugs by name."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
 
 from jdp.errors import ConfigError
-from jdp.parallel import allreduce
-from jdp.parallel.allreduce import Allreduce, fused
+from jdp.parallel import allreduce, collectives
+from jdp.parallel.buckets import fused
+from jdp.parallel.strategy import Allreduce
 from jdp.testing import check_allreduce
 
 FAST_COUNTS = (1, 3, 8)  # one device, an odd count (the tree folds one device in), all of them
@@ -69,12 +72,80 @@ def test_a_user_strategy_passes_and_registers(registry):
     assert registry.get("gather_sum") is strategy
     assert "gather_sum" in registry.names("inside") and "gather_sum" not in registry.names("outside")
     with pytest.raises(ConfigError, match="named `gather_sum` is registered already"):
-        registry.register(Allreduce("gather_sum", allreduce.psum))
+        registry.register(Allreduce("gather_sum", collectives.psum))
     assert registry.get("gather_sum") is strategy
 
 
 def test_the_registry_fixture_restored_the_registry():
     assert "gather_sum" not in allreduce.names()  # runs after the test above
+
+
+# --- a strategy with its own halves: checked, and trained with the optimizer sharded ------------
+
+
+def gather_then_keep_mine(flat, axis_name):
+    """Reduce-scatter: every device sums every device's buffer and keeps its own slice."""
+    c = flat.size // lax.axis_size(axis_name)
+    return lax.dynamic_slice_in_dim(lax.all_gather(flat, axis_name).sum(axis=0), lax.axis_index(axis_name) * c, c)
+
+
+def gather_slices(mine, axis_name):
+    """All-gather: every device's slice, in device order."""
+    return lax.all_gather(mine, axis_name, tiled=True)
+
+
+def gather_slices_backwards(mine, axis_name):
+    """A planted bug: the slices in reverse device order."""
+    return jnp.flip(lax.all_gather(mine, axis_name), axis=0).reshape(-1)
+
+
+def gather_then_keep_the_mean(flat, axis_name):
+    """A planted bug: device i's slice of the mean, not the sum."""
+    return gather_then_keep_mine(flat, axis_name) / lax.axis_size(axis_name)
+
+
+HALVED = Allreduce("gather_sum_halves", gather_then_sum, reduce_scatter=gather_then_keep_mine,
+                   all_gather=gather_slices)
+PLUGIN = f"""
+import jdp
+from {__name__} import HALVED
+jdp.register_allreduce(HALVED)
+"""
+
+
+def test_a_user_strategy_with_halves_passes_and_trains_with_the_optimizer_sharded(registry, tmp_path, monkeypatch,
+                                                                                   capsys):
+    from jdp.cli.main import main
+
+    check_allreduce(HALVED, (1, 2, 3), sgd_steps=2)  # the sums, the halves, SGD replicated and sharded
+    (tmp_path / "halves_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["train", "--dataset", "synthetic", "--epochs", "1", "--batch-size", "64", "--no-progress",
+            "--cpu-devices", "8", "--devices", "2", "--optimizer", "adamw", "--lr", "0.01", "--shard-optimizer",
+            "--check-replicas", "8"]
+    assert main([*args, "--plugin", "halves_plugin", "--allreduce", "gather_sum_halves"]) == 0
+    mine = capsys.readouterr().out
+    assert main([*args, "--allreduce", "psum"]) == 0
+    reference = capsys.readouterr().out
+    loss = lambda out: float(re.search(r"train loss (\S+)", out).group(1))  # noqa: E731
+    assert loss(mine) == pytest.approx(loss(reference), rel=1e-4), (mine, reference)
+
+
+@pytest.mark.parametrize("halves,message", [
+    ((gather_then_keep_mine, gather_slices_backwards), "`all_gather` does not return every device's slice in device "
+                                                       "order"),
+    ((gather_then_keep_the_mean, gather_slices), "`reduce_scatter`'s slice 0 on device 0: device 0's result is not "
+                                                 "the sum over the devices.*looks like the mean"),
+])
+def test_planted_bugs_in_the_halves_are_caught(halves, message):
+    strategy = Allreduce("planted", gather_then_sum, reduce_scatter=halves[0], all_gather=halves[1])
+    with pytest.raises(AssertionError, match=message):
+        check_allreduce(strategy, (1, 2), sgd_steps=0)
+
+
+def test_a_strategy_with_one_half_is_refused():
+    with pytest.raises(ConfigError, match="has one half only"):
+        check_allreduce(Allreduce("half", gather_then_sum, reduce_scatter=gather_then_keep_mine), (1,), sgd_steps=0)
 
 
 # --- planted bugs: each is caught, and the message names the case and the problem ----------------
@@ -236,13 +307,13 @@ def test_a_bug_only_training_shows_is_caught():
     ("strategy", "kwargs", "error", "message"),
     [
         ("psum", {}, TypeError, r"takes a `jdp.Allreduce`, got str \(look one up with `jdp.get_allreduce"),
-        (("psum", allreduce.psum, "inside"), {}, TypeError, "takes a `jdp.Allreduce`, got tuple"),
+        (("psum", collectives.psum, "inside"), {}, TypeError, "takes a `jdp.Allreduce`, got tuple"),
         (Allreduce("x", None), {}, TypeError, "`x` has a `fn` that is not callable"),
-        (Allreduce("x", allreduce.psum, "sideways"), {}, ConfigError, "`x` has `where='sideways'`"),
-        (Allreduce("x", allreduce.psum), {"device_counts": (0, 2)}, ConfigError, "between 1 and the 8 devices"),
-        (Allreduce("x", allreduce.psum), {"device_counts": (9,)}, ConfigError, "between 1 and the 8 devices"),
-        (Allreduce("x", allreduce.psum), {"device_counts": ()}, ConfigError, "between 1 and the 8 devices"),
-        (Allreduce("x", allreduce.psum), {"sgd_steps": -1}, ConfigError, "`sgd_steps` must be a non-negative"),
+        (Allreduce("x", collectives.psum, "sideways"), {}, ConfigError, "`x` has `where='sideways'`"),
+        (Allreduce("x", collectives.psum), {"device_counts": (0, 2)}, ConfigError, "between 1 and the 8 devices"),
+        (Allreduce("x", collectives.psum), {"device_counts": (9,)}, ConfigError, "between 1 and the 8 devices"),
+        (Allreduce("x", collectives.psum), {"device_counts": ()}, ConfigError, "between 1 and the 8 devices"),
+        (Allreduce("x", collectives.psum), {"sgd_steps": -1}, ConfigError, "`sgd_steps` must be a non-negative"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_work(strategy, kwargs, error, message):

@@ -17,12 +17,14 @@ from jdp import data
 from jdp.cli.main import main
 from jdp.errors import ConfigError
 from jdp.models import lenet
-from jdp.parallel import allreduce, zero
+from jdp.parallel import allreduce
+from jdp.parallel.opt_state import OptState, init_sharded
 from jdp.parallel.layout import BACKENDS, replicate, sharded, split_batch, unreplicate
 from jdp.parallel.step import accumulate_grads, make_train_step
 from jdp.runtime.devices import AXIS
 from jdp.training import checkpoint, optimizers
-from jdp.training.loop import TrainConfig, checkpoint_target, train
+from jdp.training.config import TrainConfig, checkpoint_target
+from jdp.training.loop import train
 
 BATCH, STEPS, MICRO = 48, 3, 2  # 48 splits into k·2 equal parts for k = 1, 2, 3, 4, 8
 LR = {"sgd": 0.2, "momentum": 0.1, "adamw": 1e-3}
@@ -60,7 +62,7 @@ def one_device_full_batch(name, batches):
 
 def initial_state(opt, params, devices, backend, shard):
     if shard:
-        return zero.init_state(opt, params, devices)
+        return init_sharded(opt, params, devices)
     return replicate(opt.init(params), devices, backend)
 
 
@@ -157,7 +159,7 @@ def test_a_batch_that_does_not_split_into_micro_batches_is_a_config_error(device
     x, y = batches[0]
     step = make_train_step(LOSS, optimizer("sgd"), "psum", devices[:4], accumulate=5)
     p, s = replicate(lenet.init(jax.random.key(0)), devices[:4]), replicate(optimizer("sgd").init({}), devices[:4])
-    with pytest.raises(ConfigError, match=r"`--accumulate 5` cuts each device's 12 rows into 5 equal micro-batches"):
+    with pytest.raises(ConfigError, match=r"`accumulate=5` cuts each device's 12 rows into 5 equal micro-batches"):
         step(p, s, *split_batch(x, y, devices[:4]))
 
 
@@ -203,7 +205,7 @@ def test_reduce_scatter_and_all_gather_of_every_strategy(k, devices):
     placed = jax.device_put(x, sharded(devices[:k]))
     want = x.astype(np.float64).sum(0).reshape(k, 5)
     bound = (k - 1) * np.finfo(np.float32).eps * np.abs(x).sum(0).reshape(k, 5) + 1e-30
-    for pair in zero.COLLECTIVES.values():
+    for pair in (allreduce.get(name) for name in allreduce.names(halves=True)):
         if pair.where == "inside":
             mapped = jax.pmap(lambda v, f=pair.reduce_scatter: f(v, AXIS), axis_name=AXIS, devices=devices[:k])
             gather = jax.pmap(lambda v, f=pair.all_gather: f(v, AXIS), axis_name=AXIS, devices=devices[:k])
@@ -218,15 +220,15 @@ def test_reduce_scatter_and_all_gather_of_every_strategy(k, devices):
 
 
 def test_strategies_without_halves_and_bad_optimizer_settings_are_config_errors(devices):
-    with pytest.raises(ConfigError, match=r"`--allreduce tree` does not provide; use one of: psum, ring, manual"):
+    with pytest.raises(ConfigError, match=r"`allreduce=tree` does not provide; use one of: psum, manual, manual_ring, ring"):
         make_train_step(LOSS, optimizer("sgd"), "tree", devices[:2], shard_optimizer=True)
-    with pytest.raises(ConfigError, match=r"`--allreduce psum\+fused`"):
+    with pytest.raises(ConfigError, match=r"`allreduce=psum\+fused`"):
         make_train_step(LOSS, optimizer("sgd"), allreduce.get("psum", fuse=True), devices[:2], shard_optimizer=True)
-    with pytest.raises(ConfigError, match=r"`--momentum` applies to `--optimizer momentum`, not `adamw`"):
+    with pytest.raises(ConfigError, match=r"`momentum` applies to `optimizer=momentum`, not `adamw`"):
         optimizers.make("adamw", 0.1, momentum=0.9)
-    with pytest.raises(ConfigError, match=r"Unknown `--optimizer adam`; choose one of: sgd, momentum, adamw"):
+    with pytest.raises(ConfigError, match=r"Unknown `optimizer=adam`; choose one of: sgd, momentum, adamw"):
         optimizers.make("adam", 0.1)
-    with pytest.raises(ConfigError, match=r"`--weight-decay` must be >= 0, got -1"):
+    with pytest.raises(ConfigError, match=r"`weight_decay` must be >= 0, got -1"):
         optimizers.make("sgd", 0.1, weight_decay=-1)
 
 
@@ -234,11 +236,11 @@ def test_host_form_of_the_sharded_state_round_trips_on_any_device_count(devices)
     """gather(shard(state)) is the state, bit for bit, for k = 1..8; the padding holds zeros."""
     opt = optimizer("adamw")
     params = lenet.init(jax.random.key(0))
-    host = zero.host_state(opt, params)
+    host = OptState(opt, params, 1, sharded=True).init(params, jax.random.key(0))
     host = jax.tree.map(lambda x: np.arange(x.size, dtype=x.dtype).reshape(x.shape) + 1, host)
     for k in range(1, 9):
-        placed = zero.shard_state(opt, host, params, devices[:k])
-        back = zero.gather_state(opt, placed, params, k)
+        state = OptState(opt, params, k, sharded=True)
+        back = state.to_host(state.place(host, devices[:k], "pmap"), "pmap")
         for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(back), strict=True):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
@@ -299,9 +301,9 @@ def test_a_sharded_checkpoint_resumes_resharded_on_another_device_count(tmp_path
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"optimizer": "momentum", "shard_optimizer": False}, r"This run has `--optimizer momentum` but the checkpoint "
-                                                          r"has `--optimizer adamw`"),
-    ({"shard_optimizer": False}, r"This run has no `--shard-optimizer` but the checkpoint has `--shard-optimizer`"),
+    ({"optimizer": "momentum", "shard_optimizer": False}, r"This run has `optimizer=momentum` but the checkpoint "
+                                                          r"has `optimizer=adamw`"),
+    ({"shard_optimizer": False}, r"This run has `shard_optimizer=False` but the checkpoint has `shard_optimizer=True`"),
 ])
 def test_resuming_with_another_kind_of_optimizer_state_is_refused_naming_the_flag(change, message, tmp_path, devices):
     train(dataclasses.replace(SHARDED, epochs=1), SMALL, devices[:2], checkpoint_dir=tmp_path)

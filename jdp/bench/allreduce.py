@@ -18,15 +18,14 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from jdp.bench.machine import machine, where
-from jdp.cli.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
 from jdp.errors import ConfigError, check_positive
+from jdp.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
 from jdp.parallel import allreduce
 from jdp.parallel.inflight import InFlight
-from jdp.parallel.layout import BACKENDS, sharded
-from jdp.runtime.devices import AXIS, mesh
+from jdp.parallel.layout import BACKENDS, map_over_devices, sharded
+from jdp.runtime.devices import AXIS
 
 DEFAULT_SIZES = "4KiB..64MiB"
 _UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
@@ -78,11 +77,11 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+)\s*([KMG]iB|B)?\s*", text)
     if not match:
         raise ConfigError(
-            f"`--sizes` has `{text}`, not a size: write a number with a unit B, KiB, MiB or GiB, e.g. 4KiB."
+            f"`sizes` has `{text}`, not a size: write a number with a unit B, KiB, MiB or GiB, e.g. 4KiB."
         )
     size = int(match.group(1)) * _UNITS[match.group(2) or ""]
     if size < _ITEMSIZE or size % _ITEMSIZE:
-        raise ConfigError(f"`--sizes` has `{text}`: a buffer must be a positive multiple of 4 bytes (float32).")
+        raise ConfigError(f"`sizes` has `{text}`: a buffer must be a positive multiple of 4 bytes (float32).")
     return size
 
 
@@ -95,7 +94,7 @@ def parse_sizes(text: str) -> list[int]:
     if ".." in text:
         low, high = (parse_size(part) for part in text.split("..", 1))
         if high < low:
-            raise ConfigError(f"`--sizes {text}`: the range ends below where it starts; write LO..HI.")
+            raise ConfigError(f"`sizes={text}`: the range ends below where it starts; write LO..HI.")
         sizes = [low]
         while sizes[-1] * 4 <= high:
             sizes.append(sizes[-1] * 4)
@@ -166,12 +165,8 @@ def _runner(strategy: allreduce.Allreduce, devices: Sequence[jax.Device],
     """x (k, n) sharded over `devices` → its allreduce, however the strategy runs."""
     if strategy.where == "outside":
         return strategy.fn
-    if backend == "pmap":
-        return jax.pmap(lambda local: strategy.fn(local, AXIS), axis_name=AXIS, devices=devices)
-    return jax.jit(jax.shard_map(  # as in jdp.parallel.step: check_vma=False, the strategy is the one reduction
-        lambda row: strategy.fn(row[0], AXIS)[None], mesh=mesh(devices),
-        in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False,
-    ))
+    mapped = map_over_devices(lambda row: (strategy.fn(row, AXIS),), devices, backend, ("per_device",), ("per_device",))
+    return lambda x: mapped(x)[0]
 
 
 def _ramp(k: int, count: int) -> jax.Array:
@@ -221,7 +216,7 @@ def run_allreduce_bench(args: argparse.Namespace) -> int:
     from jdp import plot
 
     sizes = parse_sizes(args.sizes)
-    check_positive("--repeats", args.repeats)
+    check_positive("repeats", args.repeats)
     load_plugins(args.plugin)
     check_algorithms(args.algorithms)
     out = check_out_dir(args.out)

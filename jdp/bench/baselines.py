@@ -30,7 +30,7 @@ BASELINES: tuple[Baseline, ...] = (
         float32_images_per_s={1: 4984.0, 2: 5213.0},  # the faster of two rounds, each fastest of 3
         lesson_images_per_s=2626.0,  # best of 6 epochs, alternating with the two jdp rounds
         measured="2026-12-03, JAX 0.12.0.1, Python 3.13.0",
-        source="experiments/results/bench-train/baseline-2026-12-03",
+        source="bf90975:experiments/results/bench-train/baseline-2026-12-03",
     ),
     Baseline(
         machine="2-core AMD EPYC VM with AVX-512 BF16", cpu="AMD EPYC", vector_isa="avx512_bf16", host_cpus=2,
@@ -38,7 +38,7 @@ BASELINES: tuple[Baseline, ...] = (
         float32_images_per_s={1: 9087.0, 2: 8706.0},  # the fastest of three rounds, each fastest of 3
         lesson_images_per_s=4695.0,  # best of 9 epochs, alternating with the three jdp rounds
         measured="2026-12-03, JAX 0.12.0.1, Python 3.13.0",
-        source="experiments/results/bench-train/avx512-bf16-2026-12-03",
+        source="experiments/results/bench-train/avx512-bf16",
     ),
 )
 

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from jdp.bench.machine import machine
-from jdp.cli.flags import add_device_flags, check_out_dir, setup_devices
 from jdp.errors import ConfigError, check_positive
+from jdp.flags import add_device_flags, check_out_dir, setup_devices
 from jdp.models import get as get_model
 from jdp.models import lenet, lenet_fast, precision, summed_cross_entropy
 from jdp.models.lenet import Params
@@ -70,7 +70,7 @@ def _conv_nchw(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
 
 def _conv_bf16_operands(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
     return jax.lax.conv_general_dilated(x.astype(jnp.bfloat16), w_hwio.astype(jnp.bfloat16), (1, 1), "VALID",
-                                        dimension_numbers=lenet_fast._DIMS, preferred_element_type=jnp.float32)
+                                        dimension_numbers=lenet_fast.DIMS, preferred_element_type=jnp.float32)
 
 
 def _matmul_bf16_operands(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -189,11 +189,11 @@ def format_table(rows: list[dict]) -> str:
 
 def run_formulations_bench(args: argparse.Namespace) -> int:
     for name in ("batch_size", "steps", "rounds"):
-        check_positive(f"--{name.replace('_', '-')}", getattr(args, name))
+        check_positive(name, getattr(args, name))
     names = list(FORMULATIONS) if args.only is None else [n.strip() for n in args.only.split(",")]
     unknown = [n for n in names if n not in FORMULATIONS]
     if unknown:
-        raise ConfigError(f"`--only`: no formulation `{unknown[0]}`; choose from {', '.join(FORMULATIONS)}.")
+        raise ConfigError(f"`only`: no formulation `{unknown[0]}`; choose from {', '.join(FORMULATIONS)}.")
     names = list(dict.fromkeys(["reference", "fast", *names]))  # the two ratios need both
     out = check_out_dir(args.out)
     device = setup_devices(args)[0]

@@ -2,7 +2,7 @@
 
 For each model, optimizer and device count k, the arrays a train step holds between steps are built
 on the devices exactly as `jdp.train` builds them: the params replicated (`jdp.replicate`), the
-optimizer state replicated or sharded (`jdp.parallel.zero.shard_state`), and the reduced gradients
+optimizer state replicated or sharded (`jdp.parallel.opt_state.init_sharded`), and the reduced gradients
 as the reduction leaves them (`lax.psum` of every leaf, or `psum_scatter` of the flat buffers).
 Bytes per device are read off the arrays: the `nbytes` of each addressable shard on that device,
 summed; the largest device is reported. Nothing is computed from a formula.
@@ -22,13 +22,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdp import data, models, plot
+from jdp import data, models
 from jdp.bench.machine import machine, where
-from jdp.cli.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
 from jdp.errors import ConfigError, check_positive
-from jdp.parallel import zero
+from jdp.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
+from jdp.parallel.buckets import plan
+from jdp.parallel.collectives import psum_scatter
 from jdp.parallel.inflight import repeat_step
-from jdp.parallel.layout import replicate, split_batch
+from jdp.parallel.layout import map_over_devices, replicate, split_batch
+from jdp.parallel.opt_state import init_sharded
 from jdp.parallel.step import make_train_step
 from jdp.runtime.devices import AXIS
 from jdp.training import optimizers
@@ -72,12 +74,13 @@ def held_arrays(model: models.Model, variables: Any, optimizer_name: str, device
     params = models.trainable(model, variables)
     grads = replicate(jax.tree.map(np.zeros_like, params), devices)  # each device's local gradient sum
     if sharded:
-        flat = zero.plan(params, len(devices))
-        reduced = jax.pmap(lambda g: [zero.psum_scatter(b, AXIS) for b in flat.flatten(g)],
-                           axis_name=AXIS, devices=devices)(grads)
-        state = zero.init_state(optimizer, params, devices)
+        flat = plan(params, len(devices))
+        (reduced,) = map_over_devices(lambda g: ([psum_scatter(b, AXIS) for b in flat.flatten(g)],), devices,
+                                      "pmap", ("replicated",), ("per_device",))(grads)
+        state = init_sharded(optimizer, params, devices)
     else:
-        reduced = jax.pmap(lambda g: jax.lax.psum(g, AXIS), axis_name=AXIS, devices=devices)(grads)
+        (reduced,) = map_over_devices(lambda g: (jax.lax.psum(g, AXIS),), devices, "pmap", ("replicated",),
+                                      ("replicated",))(grads)
         state = replicate(optimizer.init(params), devices)
     return {"params": replicate(variables, devices), "grads": reduced, "opt_state": state}
 
@@ -94,7 +97,7 @@ def step_seconds(model: models.Model, variables: Any, optimizer_name: str, devic
         sharded = mode == "sharded"
         step = make_train_step(model.loss, optimizer, "psum", devices, stateful=model.stateful, shard_optimizer=sharded)
         state = (replicate(variables, devices),
-                 zero.init_state(optimizer, params, devices) if sharded
+                 init_sharded(optimizer, params, devices) if sharded
                  else replicate(optimizer.init(params), devices))
         runs[mode] = [step, repeat_step(step, state, x, y, 2), []]  # warm-up: compile
     for _ in range(repeats):
@@ -169,21 +172,23 @@ def format_table(rows: Sequence[dict[str, Any]], header: str) -> str:
 
 
 def run_memory_bench(args: argparse.Namespace) -> int:
+    from jdp import plot  # matplotlib: only once there is a figure to draw
+
     for name in ("batch_size", "steps", "repeats"):
-        check_positive(f"--{name.replace('_', '-')}", getattr(args, name))
+        check_positive(name, getattr(args, name))
     for k in args.ks:
-        check_positive("--ks", k)
+        check_positive("ks", k)
     load_plugins(args.plugin)
     for name in (*args.models, *args.time_models):
         models.get(name)  # an unknown model is a one-line error before any work
     out = check_out_dir(args.out)
     devices = setup_devices(args)
     if max(args.ks) > len(devices):
-        raise ConfigError(f"`--ks {max(args.ks)}` exceeds the {len(devices)} devices; pass `--cpu-devices "
-                          f"{max(args.ks)}` (or fewer `--ks`).")
+        raise ConfigError(f"`ks={max(args.ks)}` exceeds the {len(devices)} devices; pass `cpu_devices="
+                          f"{max(args.ks)}` (or fewer `ks`).")
     for k in args.ks:
         if args.batch_size % k:
-            raise ConfigError(f"`--batch-size {args.batch_size}` must be divisible by every `--ks` value, not by {k}.")
+            raise ConfigError(f"`batch_size={args.batch_size}` must be divisible by every `ks` value, not by {k}.")
     rows = bench_memory(devices, args.models, args.optimizers, sorted(set(args.ks)), time_models=args.time_models,
                         batch_size=args.batch_size, steps=args.steps, repeats=args.repeats)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -19,14 +19,8 @@ import optax
 from jdp import data
 from jdp.bench.allreduce import add_algorithms_flag, check_algorithms
 from jdp.bench.machine import machine, where
-from jdp.cli.flags import (
-    add_backend_flag,
-    add_device_flags,
-    check_out_dir,
-    load_plugins,
-    setup_devices,
-)
 from jdp.errors import check_positive
+from jdp.flags import add_backend_flag, add_device_flags, check_out_dir, load_plugins, setup_devices
 from jdp.models import lenet, summed_cross_entropy
 from jdp.parallel import allreduce
 from jdp.parallel.inflight import repeat_step
@@ -142,7 +136,7 @@ def format_step_table(rows: Sequence[dict], header: str) -> str:
 
 def run_step_bench(args: argparse.Namespace) -> int:
     for name in ("batch_size", "steps", "repeats"):
-        check_positive(f"--{name.replace('_', '-')}", getattr(args, name))
+        check_positive(name, getattr(args, name))
     allreduce.get("psum", fuse=True, bucket_mb=args.bucket_mb)  # checks `--bucket-mb`
     load_plugins(args.plugin)
     check_algorithms(args.algorithms)

@@ -31,8 +31,8 @@ import optax
 from jdp import data, models
 from jdp.bench import baselines
 from jdp.bench.machine import machine
-from jdp.cli.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
 from jdp.errors import ConfigError, check_positive
+from jdp.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
 from jdp.models import lenet, precision
 from jdp.models.lenet_fast import IMPLEMENTATIONS
 from jdp.parallel.inflight import repeat_step
@@ -62,7 +62,7 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     p.add_argument("--steps-per-call", type=int, default=1, metavar="S", help="train steps per compiled call")
     p.add_argument("--precision", default="float32,bf16", metavar="P[,P]",
                    help=f"compute precisions to time, comma-separated, each a row per device count ({', '.join(precision.PRECISIONS)})")
-    p.add_argument("--dataset", default="fashion_mnist", choices=["fashion_mnist", "synthetic"],
+    p.add_argument("--dataset", default="fashion_mnist", choices=[d for d in data.DATASETS if d != "tfds"],
                    help="training images to time on (their values do not change the timing)")
     p.add_argument("--data-dir", default=None, help="folder with the four IDX files (default: as `jdp train`)")
     p.add_argument("--out", default=None, metavar="DIR", help="write bench_train.json here")
@@ -256,10 +256,10 @@ def format_table(record: dict[str, Any], header: str) -> str:
 
 def run_train_bench(args: argparse.Namespace) -> int:
     for name in ("batch_size", "steps", "rounds", "steps_per_call"):
-        check_positive(f"--{name.replace('_', '-')}", getattr(args, name))
+        check_positive(name, getattr(args, name))
     precisions = [name.strip() for name in args.precision.split(",") if name.strip()]
     if not precisions:
-        raise ConfigError("`--precision` needs at least one of " + ", ".join(precision.PRECISIONS) + ".")
+        raise ConfigError("`precision` needs at least one of " + ", ".join(precision.PRECISIONS) + ".")
     for name in precisions:
         precision.check(name)
     load_plugins(args.plugin)
@@ -270,7 +270,7 @@ def run_train_bench(args: argparse.Namespace) -> int:
     else:
         split = data.load_idx(data.find_data_dir(args.data_dir, download=False)).train
     if args.steps * args.batch_size > len(split.labels):
-        raise ConfigError(f"`--steps {args.steps}` × `--batch-size {args.batch_size}` exceeds the "
+        raise ConfigError(f"`steps={args.steps}` × `batch_size={args.batch_size}` exceeds the "
                           f"{len(split.labels)} training images; use at most {len(split.labels) // args.batch_size} steps.")
     before = machine()
     baseline = baselines.find(before, devices[0], batch_size=args.batch_size, model_impl=args.model_impl)

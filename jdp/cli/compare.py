@@ -10,9 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jdp import plot
-from jdp.cli.flags import check_out_dir
 from jdp.errors import ConfigError
+from jdp.flags import check_out_dir
 
 # Settings that say where or how a run was recorded, not what it computed: never a label.
 NOT_A_DIFFERENCE = ("out", "no_progress", "checkpoint_dir", "checkpoint_every", "resume", "check_replicas",
@@ -77,6 +76,8 @@ def table(records: dict[str, dict[str, Any]], names: dict[str, str]) -> str:
 
 def compare(run_dirs: Sequence[str | Path]) -> tuple[Any, str]:
     """(figure, markdown table) of the runs in `run_dirs`."""
+    from jdp import plot  # matplotlib: only for `jdp compare`, not for every command's parser
+
     records = {str(run): load(run) for run in run_dirs}
     names = labels(records)
     figure = plot.runs_per_epoch(
@@ -88,6 +89,8 @@ def compare(run_dirs: Sequence[str | Path]) -> tuple[Any, str]:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    from jdp import plot
+
     figure, text = compare(args.runs)
     out = check_out_dir(args.out)
     plot.save(figure, out / "compare.png")

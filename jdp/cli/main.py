@@ -1,4 +1,9 @@
-"""`jdp` on the command line: argparse in, calls into the library, one-line errors out (exit 2)."""
+"""`jdp` on the command line: argparse in, calls into the library, one-line errors out (exit 2).
+
+The library's errors name its Python arguments (`accumulate=5`); `main` prints them as the flags
+of the command that ran (`--accumulate 5`, see `jdp.cli.errors`). Choices come from the library's
+constants, and `jdp train`'s flags are `TrainConfig`'s fields, so the two cannot drift apart.
+"""
 
 import argparse
 import dataclasses
@@ -7,7 +12,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from jdp.cli.flags import (
+from jdp.cli.errors import as_flags, option_flags
+from jdp.errors import ConfigError, JdpError
+from jdp.flags import (
     OneLineErrorParser,
     add_backend_flag,
     add_compress_flags,
@@ -17,7 +24,6 @@ from jdp.cli.flags import (
     load_plugins,
     setup_devices,
 )
-from jdp.errors import JdpError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,7 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jdp", description="Data-parallel training of the lesson's LeNet in functional JAX."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from jdp.data import DATASETS
+    from jdp.models import BATCHNORM
+    from jdp.models.lenet_fast import IMPLEMENTATIONS
     from jdp.models.precision import PRECISIONS
+    from jdp.training.evaluate import EVAL_ON
 
     train = commands.add_parser(
         "train", help="train a model (LeNet by default) data-parallel and report test accuracy per epoch",
@@ -46,22 +56,22 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--bucket-mb", type=float, default=None, metavar="M",
                        help="with --fuse: buckets of at most M MB (like DDP's bucket_cap_mb) instead of one buffer")
     add_compress_flags(train)
-    train.add_argument("--dataset", default="fashion_mnist", choices=["fashion_mnist", "tfds", "synthetic"])
+    train.add_argument("--dataset", default="fashion_mnist", choices=DATASETS)
     train.add_argument("--data-dir", default=None,
                        help="folder with the four IDX files (default: $JDP_DATA_DIR, ../shared/data/fashion-mnist, "
                        "~/.cache/jdp/fashion-mnist, else download); for --dataset tfds, the tfds data_dir")
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--eval-on", default="all", choices=["all", "device0"],
+    train.add_argument("--eval-on", default="all", choices=EVAL_ON,
                        help="evaluate split over all devices (psum of counts) or on the first device only")
     train.add_argument("--out", default=None, help="write history.json and accuracy.png here")
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
     train.add_argument("--model", default="lenet",
                        help="lenet (the from-scratch LeNet), lenet_flax (its Flax version), resnet18 (the lesson's "
                        "ResNet-18 for 28x28, Flax), or a model a --plugin registered")
-    train.add_argument("--batchnorm", default=None, choices=["per-replica", "sync"],
-                       help="resnet18: BatchNorm statistics over each device's shard, or synchronised over all "
-                       "devices (the global batch's); resnet18 uses sync when it is not given")
-    train.add_argument("--model-impl", default="fast", choices=["fast", "reference"],
+    train.add_argument("--batchnorm", default=None, choices=BATCHNORM,
+                       help="resnet18: BatchNorm statistics synchronised over all devices (the global batch's), or "
+                       "over each device's shard; resnet18 uses sync when it is not given")
+    train.add_argument("--model-impl", default="fast", choices=list(IMPLEMENTATIONS),
                        help="--model lenet's formulation: fast (jdp.models.lenet_fast) or the lesson's reference; same math")
     train.add_argument("--steps-per-call", type=int, default=1, metavar="S",
                        help="train steps per compiled call (unrolled); needs a collective allreduce strategy")
@@ -122,20 +132,13 @@ def run_train(args: argparse.Namespace) -> int:
     from jdp import data, plot
     from jdp.runtime.devices import describe
     from jdp.training import checkpoint
-    from jdp.training.loop import TrainConfig, payload_bytes, train
+    from jdp.training.config import TrainConfig, payload_bytes
+    from jdp.training.loop import train
     from jdp.training.profile import Profiler, parse_steps
 
     load_plugins(args.plugin)
 
-    config = TrainConfig(batch_size=args.batch_size, lr=args.lr, epochs=args.epochs,
-                         allreduce=args.allreduce, fuse=args.fuse, bucket_mb=args.bucket_mb,
-                         seed=args.seed, eval_on=args.eval_on,
-                         warmup_steps=args.warmup_steps, model=args.model, model_impl=args.model_impl, batchnorm=args.batchnorm,
-                         steps_per_call=args.steps_per_call, backend=args.backend,
-                         compress=args.compress, powersgd_rank=args.powersgd_rank,
-                         optimizer=args.optimizer, momentum=args.momentum, weight_decay=args.weight_decay,
-                         accumulate=args.accumulate, shard_optimizer=args.shard_optimizer, precision=args.precision)
-    config.validate()
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     out = check_out_dir(args.out)
     checkpoint.check_options(args.checkpoint_dir, args.checkpoint_every, args.resume)
     first, last = parse_steps(args.profile_steps)
@@ -184,6 +187,8 @@ def run_launch(args: argparse.Namespace) -> int:
     from jdp.runtime.launch import launch
 
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
+    if not job:
+        raise ConfigError("`jdp launch` needs a command after `--`, e.g. `jdp launch --num-processes 2 -- jdp train`.")
     return launch(job, args.num_processes, args.cpu_devices_per_process, timeout=args.timeout)
 
 
@@ -196,8 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.setLevel(logging.INFO)
     try:
         return args.run(args)
-    except JdpError as e:
-        print(f"jdp: error: {e}", file=sys.stderr)
+    except JdpError as e:  # the library names Python arguments; here they are this command's flags
+        print(f"jdp: error: {as_flags(str(e), option_flags(parser, args))}", file=sys.stderr)
         return 2
     finally:
         log.removeHandler(notes)

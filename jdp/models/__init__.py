@@ -7,7 +7,7 @@ step (`jdp.make_train_step(..., stateful=True)`) differentiates "params" only an
 "state" through. Both are plain pytrees: `replicate`, the allreduce strategies, checkpoints and
 guards treat them like any other.
 
-BatchNorm over several devices (`--batchnorm`):
+BatchNorm over several devices (`batchnorm`, the CLI's `--batchnorm`):
 
 * ``sync``: the batch mean and mean square are averaged over the device axis inside the step
   (`lax.pmean`, in Flax's `BatchNorm(axis_name="data")`): k devices compute exactly what one
@@ -24,11 +24,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
 from jdp.errors import ConfigError
-from jdp.models import flax as flax_nets
 from jdp.models import lenet
 from jdp.models.lenet_fast import IMPLEMENTATIONS
 from jdp.runtime.devices import AXIS
@@ -65,6 +63,8 @@ def summed_cross_entropy(apply_fn: Callable[[PyTree, jax.Array], jax.Array]) -> 
     """
 
     def loss_fn(params: PyTree, images: jax.Array, labels: jax.Array) -> jax.Array:
+        import optax  # here, not at the top: `import optax` costs a tenth of `import jax`
+
         logits = apply_fn(params, images).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum()
 
@@ -74,12 +74,15 @@ def summed_cross_entropy(apply_fn: Callable[[PyTree, jax.Array], jax.Array]) -> 
 def _lenet(impl: str = "fast", batchnorm: str | None = None) -> Model:
     _no_batchnorm("lenet", batchnorm)
     if impl not in IMPLEMENTATIONS:
-        raise ConfigError(f"`--model-impl` must be one of {', '.join(IMPLEMENTATIONS)}, got `{impl}`.")
+        raise ConfigError(f"`impl` (a TrainConfig's `model_impl`) must be one of {', '.join(IMPLEMENTATIONS)}, "
+                          f"got `{impl}`.")
     return Model(lenet.init, summed_cross_entropy(IMPLEMENTATIONS[impl]), IMPLEMENTATIONS[impl], name="lenet")
 
 
 def _lenet_flax(impl: str = "fast", batchnorm: str | None = None) -> Model:
     _no_batchnorm("lenet_flax", batchnorm)
+    from jdp.models import flax as flax_nets  # Flax takes a quarter of a second to import: only for its models
+
     module = flax_nets.LeNet()
     apply = lambda variables, images: module.apply(variables, images)  # noqa: E731
     return Model(lambda key: module.init(key, _example()), summed_cross_entropy(apply), apply, name="lenet_flax")
@@ -88,26 +91,29 @@ def _lenet_flax(impl: str = "fast", batchnorm: str | None = None) -> Model:
 def _resnet18(impl: str = "fast", batchnorm: str | None = None) -> Model:
     batchnorm = batchnorm or "sync"
     if batchnorm not in BATCHNORM:
-        raise ConfigError(f"`--batchnorm` must be one of {', '.join(BATCHNORM)}, got `{batchnorm}`.")
+        raise ConfigError(f"`batchnorm` must be one of {', '.join(BATCHNORM)}, got `{batchnorm}`.")
+    from jdp.models import flax as flax_nets
+
     module = flax_nets.ResNet18(batchnorm_axis=AXIS if batchnorm == "sync" else None)
     return batchnorm_model(module)._replace(name="resnet18")
 
 
 def _no_batchnorm(name: str, batchnorm: str | None) -> None:
     if batchnorm is not None:
-        raise ConfigError(f"`--batchnorm` applies to models with BatchNorm (resnet18), not `--model {name}`.")
+        raise ConfigError(f"`batchnorm` applies to models with BatchNorm (resnet18), not `model={name}`.")
 
 
-# The registry: name -> build(**options) -> Model. Built-ins take `impl` and `batchnorm` (the CLI's
-# `--model-impl` and `--batchnorm`); `register` adds more.
+# The registry: name -> build(**options) -> Model. Built-ins take `impl` and `batchnorm` (a TrainConfig's
+# `model_impl` and `batchnorm`); `register` adds more.
 _MODELS: dict[str, Callable[..., Model]] = {"lenet": _lenet, "lenet_flax": _lenet_flax, "resnet18": _resnet18}
 
 
 def register(name: str, build: Callable[..., Model], *, replace: bool = False) -> None:
     """Makes `build(**options) -> Model` available as `get(name)` and `jdp train --model name`.
 
-    `jdp train` calls it with `impl=` and `batchnorm=` (the values of `--model-impl` and
-    `--batchnorm`); a model without such options accepts and ignores them or refuses them by name.
+    `jdp.train` calls it with `impl=` and `batchnorm=` (a TrainConfig's `model_impl` and `batchnorm`,
+    the CLI's `--model-impl` and `--batchnorm`); a model without such options accepts and ignores them
+    or refuses them by name.
 
     Raises:
       ConfigError: if `name` is taken (unless `replace`).
@@ -131,7 +137,7 @@ def get(name: "str | Model", **options: Any) -> Model:
     if isinstance(name, Model):
         return name
     if name not in _MODELS:
-        raise ConfigError(f"`--model` must be one of {', '.join(_MODELS)}, got `{name}`.")
+        raise ConfigError(f"`model` must be one of {', '.join(_MODELS)}, got `{name}`.")
     model = _MODELS[name](**options)
     return model if model.name != "custom" else model._replace(name=name)
 
@@ -144,6 +150,8 @@ def batchnorm_model(module: Any) -> Model:
         return {"params": variables["params"], "state": {"batch_stats": variables["batch_stats"]}}
 
     def loss(params, state, images, labels):
+        import optax
+
         logits, state = module.apply({"params": params, **state}, images, train=True, mutable=["batch_stats"])
         return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).sum(), state
 
@@ -161,7 +169,7 @@ def trainable(model: Model, variables: PyTree) -> PyTree:
 def average_state(variables: PyTree) -> PyTree:
     """Per-device variables → the same with "state" averaged over the mapped device axis `AXIS`.
 
-    Call inside `jax.pmap(..., axis_name=AXIS)`; params pass through untouched.
+    Call inside a function mapped over the devices (`jdp.map_over_devices`); params pass through untouched.
     """
     return {"params": variables["params"], "state": lax.pmean(variables["state"], AXIS)}
 

@@ -2,7 +2,8 @@
 
 Takes the params pytree of `jdp.models.lenet` (conv kernels OIHW, dense (in, out)) and NCHW images, and
 returns the same logits, loss and gradients up to float rounding. What changes is how XLA is
-asked to compute them (measured on a 2-core Zen 4 CPU, see the README, "Speed"):
+asked to compute them (each choice is timed against its alternative by `jdp bench formulations`;
+the figures are in docs/performance.md):
 
 * Only the pixels the network reads are computed. The 2×2 floor pooling after conv2 drops the
   last row/column of its 9×9 input, so only 8×8 conv2 outputs matter; they read a 12×12 corner of
@@ -13,8 +14,8 @@ asked to compute them (measured on a 2-core Zen 4 CPU, see the README, "Speed"):
   so gradients come back in the lesson's layout.
 * conv1 → bias → ReLU → pool as one elementwise loop (`one_channel_conv_relu_pool`): with one
   input channel a convolution is 9 multiply-adds per output, which XLA fuses with the rest when
-  written per pooling phase; XLA's CPU convolution and its 1-channel weight gradient were several
-  times slower. The backward gets conv1's weight and bias gradients from one matmul. The layer's
+  written per pooling phase, where XLA's CPU convolution and its 1-channel weight gradient run as
+  separate, slower ops. The backward gets conv1's weight and bias gradients from one matmul. The layer's
   output is stored behind an optimisation barrier: otherwise XLA also fuses the loop into the
   transpose that conv2's weight gradient reads, and runs it a second time there.
 * Pooling as a sum of four strided slices, which XLA fuses with the ReLU, instead of
@@ -32,11 +33,11 @@ from jax import lax
 from jdp.models import lenet
 from jdp.models.lenet import Params, add_bias
 
-_DIMS = ("NHWC", "HWIO", "NHWC")
+DIMS = ("NHWC", "HWIO", "NHWC")  # the convolutions' layouts: activations NHWC, kernels HWIO
 
 
 def _conv(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
-    return jax.lax.conv_general_dilated(x, w_hwio, (1, 1), "VALID", dimension_numbers=_DIMS)
+    return jax.lax.conv_general_dilated(x, w_hwio, (1, 1), "VALID", dimension_numbers=DIMS)
 
 
 def patches(x: jax.Array, kh: int, kw: int) -> jax.Array:
@@ -80,8 +81,8 @@ def conv_with_matmul_gradients(weight: bool, inputs: bool) -> Callable[[jax.Arra
 def avg_pool(x: jax.Array) -> jax.Array:
     """2×2 average pooling, stride 2, of an NHWC array with even height and width.
 
-    A sum of four strided slices, which XLA fuses with the ReLU before it into one elementwise loop;
-    reshape + mean becomes a reduction, 4× slower alone here (within noise in the whole step).
+    A sum of four strided slices, which XLA fuses with the ReLU before it into one elementwise loop,
+    where reshape + mean would become a separate reduction (`jdp bench formulations`'s pool-reshape-mean).
     """
     return 0.25 * (x[:, 0::2, 0::2] + x[:, 0::2, 1::2] + x[:, 1::2, 0::2] + x[:, 1::2, 1::2])
 

@@ -25,14 +25,14 @@ if TYPE_CHECKING:
 
 PyTree = Any
 
-# `--precision` name -> compute dtype (None: compute in the params' own float32).
+# `precision` name (TrainConfig's, `--precision`) -> compute dtype (None: compute in the params' own float32).
 PRECISIONS: dict[str, Any] = {"float32": None, "bf16": jnp.bfloat16}
 
 
 def check(precision: str) -> None:
     """Raises ConfigError unless `precision` is one of `PRECISIONS`."""
     if precision not in PRECISIONS:
-        raise ConfigError(f"`--precision` must be one of {', '.join(PRECISIONS)}, got `{precision}`.")
+        raise ConfigError(f"`precision` must be one of {', '.join(PRECISIONS)}, got `{precision}`.")
 
 
 def cast_floats(tree: PyTree, dtype: Any) -> PyTree:

@@ -34,8 +34,7 @@ from jax import lax
 
 from jdp.errors import ConfigError, check_positive
 from jdp.parallel import allreduce as allreduce_lib
-from jdp.parallel.allreduce import Allreduce
-from jdp.parallel.layout import sharded
+from jdp.parallel.strategy import Allreduce
 
 PyTree = Any
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -91,7 +90,7 @@ def powersgd(strategy: Allreduce, rank: int = 1) -> Allreduce:
     Raises:
       ConfigError: if `rank` is not positive.
     """
-    check_positive("--powersgd-rank", rank)
+    check_positive("powersgd_rank", rank)
 
     def init(key: jax.Array, grads: PyTree) -> PyTree:
         big = [x for x in jax.tree.leaves(grads) if compressible(x.shape, rank)]
@@ -160,30 +159,30 @@ def _matrix(shape: Sequence[int]) -> tuple[int, int]:
 
 def get(name: str | Allreduce, *, fuse: bool = False, bucket_mb: float | None = None, compress: str = "none",
         rank: int | None = None) -> Allreduce:
-    """The strategy `name`, fused if asked (`allreduce.get`), then compressed by `compress`.
+    """The strategy `name`, sending in a low dtype if a `-wire` mode asks, fused if asked, then compressed.
 
-    `rank` is PowerSGD's (None: 1); other modes refuse one, as `--bucket-mb` without `--fuse` is refused.
+    `rank` is PowerSGD's (None: 1); other modes refuse one, as `bucket_mb` without `fuse` is refused.
 
     Raises:
-      ConfigError: for an unknown mode, a `-wire` mode on another strategy than ring, or a bad rank.
+      ConfigError: for an unknown mode, a `-wire` mode on a strategy without a low-precision wire
+        (`Allreduce.wire`), or a bad rank.
     """
     if compress not in MODES:
-        raise ConfigError(f"`--compress {compress}` is not a mode; choose one of: {', '.join(MODES)}.")
+        raise ConfigError(f"`compress={compress}` is not a mode; choose one of: {', '.join(MODES)}.")
     if compress != "powersgd" and rank is not None:
-        raise ConfigError(f"`--powersgd-rank {rank}` applies to `--compress powersgd` only; add `--compress powersgd` "
-                          "or drop `--powersgd-rank`.")
+        raise ConfigError(f"`powersgd_rank={rank}` applies to `compress=powersgd` only; add `compress=powersgd` "
+                          "or drop `powersgd_rank`.")
+    strategy = allreduce_lib.get(name)
     if compress.endswith("-wire"):
-        if allreduce_lib.get(name).fn is not allreduce_lib.ring:
+        if strategy.wire is None:
+            wired = ", ".join(n for n in allreduce_lib.names() if allreduce_lib.get(n).wire is not None)
             raise ConfigError(
-                f"`--compress {compress}` sends low precision and adds in float32 at each hop of jdp's ring; use "
-                f"`--allreduce ring`, or `--compress {compress[:4]}` to cast for any strategy."
+                f"`compress={compress}` sends low precision and adds in float32 at each hop of a strategy that can "
+                f"(`Allreduce.wire`); use `allreduce={wired}`, or `compress={compress[:4]}` to cast for any strategy."
             )
-        dtype = DTYPES[compress[:4]]
-        wire = Allreduce(f"ring+{jnp.dtype(dtype).name}-wire",
-                         lambda tree, axis_name: allreduce_lib.ring(tree, axis_name, wire=dtype))
-        return allreduce_lib.get(wire, fuse=fuse, bucket_mb=bucket_mb)
-    strategy = allreduce_lib.get(name, fuse=fuse, bucket_mb=bucket_mb)
-    if compress == "none":
+        strategy = strategy.wire(DTYPES[compress[:4]])
+    strategy = allreduce_lib.get(strategy, fuse=fuse, bucket_mb=bucket_mb)
+    if compress in ("none", "bf16-wire", "fp16-wire"):
         return strategy
     if compress == "powersgd":
         return powersgd(strategy, 1 if rank is None else rank)
@@ -208,23 +207,8 @@ def payload_bytes(grads: PyTree, compress: str = "none", rank: int | None = None
         return tree
 
     strategy = get(Allreduce("record", record), compress=compress.removesuffix("-wire"), rank=rank)
-    if strategy.init is None:
+    if not strategy.stateful:
         jax.eval_shape(lambda g: strategy.fn(g, "unused"), grads)
     else:
         jax.eval_shape(lambda g, s: strategy.fn(g, s, "unused"), grads, strategy.init(jax.random.key(0), grads))
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in sent)
-
-
-# --- the per-device state, in the train step's layout -----------------------------------------
-
-
-def init_state(strategy: Allreduce, key: jax.Array, grads: PyTree, k: int) -> PyTree:
-    """The state of a stateful strategy for `k` devices, on the host: each leaf (k, ...), all slices equal."""
-    one = jax.device_get(strategy.init(key, grads))
-    return jax.tree.map(lambda x: np.broadcast_to(x[None], (k, *x.shape)), one)
-
-
-def place_state(state: PyTree, devices: Sequence[jax.Device]) -> PyTree:
-    """Host leaves (k, ...) → global arrays with slice i on device i (every process passes all k)."""
-    return jax.tree.map(
-        lambda x: jax.make_array_from_callback(x.shape, sharded(devices), lambda index: np.asarray(x)[index]), state)

@@ -1,9 +1,8 @@
 """Bounding how many dispatched computations may run ahead of the host.
 
-JAX dispatches asynchronously. On a 2-core CPU with simulated devices and JAX ≤ 0.11, letting
-collective-using steps pile up starves XLA's rendezvous threads: the process freezes, then aborts
-("Expected N threads to join the rendezvous"). Waiting for step t−1 while step t runs keeps the
-pipeline full and the queue bounded.
+JAX dispatches asynchronously. Steps that use collectives, piled up without bound on a CPU with
+few cores, can starve XLA's rendezvous threads until the process aborts (docs/testing.md). Waiting
+for step t−1 while step t runs keeps the pipeline full and the queue bounded.
 """
 
 from collections import deque

@@ -1,11 +1,20 @@
-"""Where arrays live: one copy of the params per device, and batches split over the devices.
+"""Placement: where arrays live, and per-device functions mapped over the devices.
 
-These replace the removed `jax.device_put_replicated` / `jax.device_put_sharded`, for both
-train-step backends (see `jdp.parallel.step`) and for one process or many:
+The one module that knows the two backends. Every value a mapped function takes or returns is of
+one of three kinds:
 
-* ``pmap``: a leading device axis of size k, sharded over it: params (k, ...), batch (k, B/k, ...).
+* ``replicated``: the same value on every device (params; `replicate`, the contract of the removed
+  `jax.device_put_replicated`);
+* ``per_device``: a different value on each device, (k, ...) with row i on device i (a sharded
+  optimizer state, PowerSGD's error feedback, per-device losses and gradients);
+* ``batch``: the rows of a global batch, device i holding rows [i·B/k, (i+1)·B/k) (`split_batch`).
+
+The backends lay them out differently, and `map_over_devices` hides the difference:
+
+* ``pmap``: all three carry a leading device axis of size k: params (k, ...), batch (k, B/k, ...).
   This is the layout `jax.pmap` consumes and produces, so arrays flow between steps without copies.
-* ``shard_map``: the natural shapes: params replicated with `P()`, batch (B, ...) with `P('data')`.
+* ``shard_map``: `jax.jit(jax.shard_map(...))` over a 1-D mesh: replicated `P()` in its natural
+  shape, per_device (k, ...) `P('data')`, batch (B, ...) `P('data')`.
 
 Every function returns global `jax.Array`s over the 1-D mesh of `jdp.runtime.devices.mesh`: shard
 i lives on device i. Devices are ordered by (process, id), so process p owns a contiguous block of
@@ -13,7 +22,7 @@ the mesh and therefore a contiguous block of rows of every global batch (`proces
 several processes each passes its own rows, and every process the same replicated values.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -28,19 +37,92 @@ from jdp.runtime.devices import AXIS, mesh
 PyTree = Any
 Backend = Literal["pmap", "shard_map"]
 BACKENDS: tuple[Backend, ...] = ("pmap", "shard_map")
+Kind = Literal["replicated", "per_device", "batch"]
+Kinds = Any  # a Kind, or a pytree of Kinds that is a prefix of the value's pytree
+_SPECS = {"replicated": P(), "per_device": P(AXIS), "batch": P(AXIS)}
 
 
 def check_backend(backend: str) -> None:
     """Raises ConfigError unless `backend` is one of BACKENDS."""
     if backend not in BACKENDS:
-        raise ConfigError(f"Unknown `--backend {backend}`; choose one of: {', '.join(BACKENDS)}.")
+        raise ConfigError(f"Unknown `backend={backend}`; choose one of: {', '.join(BACKENDS)}.")
+
+
+def map_over_devices(fn: Callable[..., tuple], devices: Sequence[jax.Device], backend: Backend,
+                     ins: Sequence[Kinds], outs: Sequence[Kinds], donate: tuple[int, ...] = ()) -> Callable:
+    """`fn` of one device's values, mapped over `devices` by `backend`.
+
+    `fn` sees every value without a device axis (a per_device row, a replicated copy, its rows of a
+    batch) and may use collectives over `AXIS`; it returns a tuple of `len(outs)` values. The
+    mapped function takes and returns global arrays in the layout of `backend` for each kind.
+    Under `shard_map` nothing is checked for equality across devices (`check_vma=False`), exactly
+    as under `jax.pmap`: see docs/backends.md for why autodiff would otherwise sum the gradients.
+
+    Args:
+      fn: the per-device function.
+      devices: the mesh, in order.
+      backend: "pmap" or "shard_map".
+      ins, outs: the kind of each argument and result (a kind, or a pytree prefix of kinds).
+      donate: positions of arguments whose buffers the result may reuse.
+    """
+    check_backend(backend)
+    if backend == "pmap":
+        return jax.pmap(fn, axis_name=AXIS, devices=devices, donate_argnums=donate)
+
+    def local(*args):
+        args = [_on_rows(lambda x: x[0], kinds, a) for a, kinds in zip(args, ins, strict=True)]
+        return tuple(_on_rows(lambda x: x[None], kinds, r) for r, kinds in zip(fn(*args), outs, strict=True))
+
+    specs = lambda all_kinds: tuple(jax.tree.map(_SPECS.__getitem__, kinds) for kinds in all_kinds)  # noqa: E731
+    return jax.jit(jax.shard_map(local, mesh=mesh(devices), in_specs=specs(ins), out_specs=specs(outs),
+                                 check_vma=False), donate_argnums=donate)
+
+
+def _on_rows(f: Callable[[jax.Array], jax.Array], kinds: Kinds, tree: PyTree) -> PyTree:
+    """`f` applied to every leaf of the per_device parts of `tree` (a shard_map block's device axis)."""
+    return jax.tree.map(lambda kind, part: jax.tree.map(f, part) if kind == "per_device" else part, kinds, tree)
+
+
+def place(tree: PyTree, kinds: Kinds, devices: Sequence[jax.Device], backend: Backend = "pmap") -> PyTree:
+    """Host values → global arrays on `devices`, in the layout of `backend` for each part's kind.
+
+    replicated parts are one value (`replicate`); per_device parts have leaves (k, ...), row i for
+    device i; batch parts are this process's rows (`shard_rows`). Every process passes the same
+    replicated and per_device values; each places only its own devices' parts.
+    """
+    check_backend(backend)
+
+    def put(kind: Kind, part: PyTree) -> PyTree:
+        if kind == "replicated":
+            return replicate(part, devices, backend)
+        if kind == "batch":
+            return jax.tree.map(lambda rows: shard_rows(rows, devices, backend), part)
+        return jax.tree.map(lambda x: jax.make_array_from_callback(
+            np.shape(x), sharded(devices), lambda index: np.asarray(x)[index]), part)
+
+    return jax.tree.map(put, kinds, tree)
+
+
+def fetch(tree: PyTree, kinds: Kinds, backend: Backend = "pmap") -> PyTree:
+    """The inverse of `place` for replicated and per_device parts: this process's host copy of a
+    replicated value, every device's row of a per_device one (a collective with several processes)."""
+    check_backend(backend)
+
+    def get(kind: Kind, part: PyTree) -> PyTree:
+        if kind == "replicated":
+            return unreplicate(part, backend)
+        if kind == "per_device":
+            return jax.tree.map(to_host, part)
+        raise ConfigError("`fetch` reads replicated and per_device values, not a batch.")
+
+    return jax.tree.map(get, kinds, tree)
 
 
 def check_divisible(batch_size: int, device_count: int) -> None:
     """Raises ConfigError unless a global batch splits evenly over the devices (the one copy of this check)."""
     if batch_size % device_count:
         raise ConfigError(
-            f"Batch size must be divisible by the number of devices: `--batch-size {batch_size}` over "
+            f"Batch size must be divisible by the number of devices: `batch_size={batch_size}` over "
             f"{device_count} devices. Use a multiple of {device_count}."
         )
 
@@ -115,6 +197,12 @@ def shard_rows(rows: np.ndarray, devices: Sequence[jax.Device], backend: Backend
     if jax.process_count() == 1:
         return jax.device_put(rows, sharded(devices))
     return jax.make_array_from_process_local_data(sharded(devices), rows, shape)
+
+
+def place_step_batches(rows: np.ndarray, devices: Sequence[jax.Device]) -> jax.Array:
+    """S batches of one process's devices, (S, k, B/k, ...) with device i holding column i: what a
+    `pmap` step unrolled S times in one call takes (`jdp.training.feeders`)."""
+    return jax.device_put(rows, NamedSharding(mesh(devices), P(None, AXIS)))
 
 
 def process_rows(batch_size: int, devices: Sequence[jax.Device]) -> slice:

@@ -1,28 +1,30 @@
 """The data-parallel train step, built once from (loss, optimizer, strategy, devices, backend).
 
-Train step, per device: forward/backward on its shard of the batch (loss summed over the shard),
-allreduce the gradients (sum over devices), divide by the FULL batch size, one optax update.
-Every device applies the same update to the same params, so the replicas stay identical.
-Two backends map that program over the devices, of one process or several (see `jdp.parallel.layout`):
-`jax.pmap`, and `jax.jit(jax.shard_map(...))` over a 1-D mesh.
+Per device: forward/backward on its shard of the batch (loss summed over the shard), allreduce
+the gradients (sum over devices), divide by the FULL batch size, one optax update. Every device
+applies the same update to the same params, so the replicas stay identical. With the optimizer
+sharded (ZeRO, Rajbhandari et al. 2020), the allreduce is split into its halves and the update
+runs between them on each device's 1/k slice. `jdp.parallel.layout.map_over_devices` maps the
+per-device program with either backend; an "outside" strategy runs between mapped calls.
 """
 
 from collections.abc import Callable, Sequence
-from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from jdp.errors import ConfigError, check_positive
 from jdp.parallel import allreduce as allreduce_lib
-from jdp.parallel import zero
-from jdp.parallel.allreduce import Allreduce
-from jdp.parallel.layout import Backend, check_backend
-from jdp.runtime.devices import AXIS, mesh
+from jdp.parallel.buckets import plan
+from jdp.parallel.layout import Backend, check_backend, map_over_devices
+from jdp.parallel.opt_state import OptState
+from jdp.parallel.strategy import Allreduce
+from jdp.runtime.devices import AXIS
+
+if TYPE_CHECKING:
+    import optax
 
 PyTree = Any
 LossFn = Callable[[PyTree, jax.Array, jax.Array], jax.Array]
@@ -30,17 +32,18 @@ LossFn = Callable[[PyTree, jax.Array, jax.Array], jax.Array]
 StatefulLossFn = Callable[[PyTree, PyTree, jax.Array, jax.Array], tuple[jax.Array, PyTree]]
 # (params, opt_state, images, labels) -> (params, opt_state, per-device summed loss)
 TrainStep = Callable[[PyTree, PyTree, jax.Array, jax.Array], tuple[PyTree, PyTree, jax.Array]]
+Segment = Callable[[str, Callable], Callable]
 
 
 def make_train_step(
     loss_fn: LossFn | StatefulLossFn,
-    optimizer: optax.GradientTransformation,
+    optimizer: "optax.GradientTransformation",
     allreduce: Allreduce | str,
     devices: Sequence[jax.Device],
     backend: Backend = "pmap",
     *,
     stateful: bool = False,
-    segment: Callable[[str, Callable], Callable] = lambda name, fn: fn,
+    segment: Segment = lambda name, fn: fn,
     accumulate: int = 1,
     shard_optimizer: bool = False,
 ) -> TrainStep:
@@ -49,12 +52,10 @@ def make_train_step(
     Both backends run the same per-device program (the strategy is the one and only sum of the
     gradients); they differ in how arrays are laid out (see `jdp.parallel.layout`):
 
-    * ``pmap``: `jax.pmap`; params/opt_state (k, ...) with a leading device axis, batch (k, B/k, ...).
-    * ``shard_map``: `jax.jit(jax.shard_map(...))` over a 1-D mesh; params/opt_state replicated with
-      `P()`, batch (B, ...) sharded with `P('data')`.
+    * ``pmap``: params/opt_state (k, ...) with a leading device axis, batch (k, B/k, ...).
+    * ``shard_map``: params/opt_state replicated with `P()`, batch (B, ...) sharded with `P('data')`.
 
-    With either, `devices` may span several processes; `jax.pmap` then returns
-    each process's part of its outputs, `jit` global arrays.
+    With either, `devices` may span several processes.
 
     Args:
       loss_fn: (params, images, labels) -> loss summed over the images; with `stateful`,
@@ -65,17 +66,16 @@ def make_train_step(
       backend: "pmap" or "shard_map".
       stateful: the step's first argument is {"params", "state"} (see `jdp.Model`): only "params"
         is differentiated and updated, "state" is replaced by the loss's new state.
+      segment: `segment(kind, fn) -> fn` wraps each call of an "outside" strategy's step, kind
+        "compute" or "communication" (e.g. to time them, `jdp.training.profile.Profiler.segment`).
       accumulate: N micro-batches per device: each device's shard is cut into N equal parts whose
         gradients are summed one after another (`accumulate_grads`) before the one allreduce.
-      shard_optimizer: ZeRO: reduce-scatter the gradients, update each device's 1/k slice with its
-        1/k of the optimizer state, all-gather the params (`jdp.parallel.zero`); opt_state is then
-        laid out by `jdp.parallel.zero.shard_state`.
-      segment: `segment(kind, fn) -> fn` wraps each of an "outside" strategy's three calls, kind
-        "compute" or "communication" (e.g. to time them, `jdp.training.profile.Profiler.segment`).
+      shard_optimizer: ZeRO: reduce-scatter the gradients with the strategy's first half, update
+        each device's 1/k slice with its 1/k of the optimizer state, all-gather the params with the
+        second half. The strategy must have halves (`Allreduce.has_halves`).
 
-    A stateful strategy (`allreduce.init`, e.g. PowerSGD's error feedback) keeps its per-device state
-    in the step's opt_state: `{"optimizer": <the optimizer's state>, "allreduce": <its state>}`, the
-    latter with leaves (k, ...), slice i on device i (`jdp.parallel.compress.init_state`), `pmap` only.
+    The optimizer state is that of `jdp.parallel.opt_state.OptState`: replicated, sharded, or with
+    a stateful strategy's per-device state beside the optimizer's (`pmap` only).
 
     Returns:
       step(params, opt_state, images, labels) -> (params, opt_state, losses): inputs placed with
@@ -83,32 +83,23 @@ def make_train_step(
       params and opt_state are donated: do not reuse the arrays passed in.
 
     Raises:
-      ConfigError: for an unknown backend, an "outside" strategy over devices of several processes,
-        a shard that does not split into `accumulate` equal parts (when traced), or `shard_optimizer`
-        with a strategy that has no reduce-scatter.
+      ConfigError: for an unknown backend, a strategy this step cannot run (see `check_strategy`), or
+        a shard that does not split into `accumulate` equal parts (when traced).
     """
-    check_backend(backend)
-    check_positive("--accumulate", accumulate)
-    allreduce = allreduce_lib.get(allreduce)
-    if allreduce.where == "outside" and any(d.process_index != jax.process_index() for d in devices):
-        inside = ", ".join(allreduce_lib.names("inside"))
-        raise ConfigError(
-            f"`--allreduce {allreduce.name}` copies buffers between devices with `jax.device_put`, which only "
-            f"reaches this process's devices, but the step spans {jax.process_count()} processes. "
-            f"Use a collective strategy instead: {inside}."
-        )
-    if allreduce.init is not None and backend != "pmap":
-        raise ConfigError(
-            f"`{allreduce.name}` keeps different state on each device, which `--backend {backend}` cannot hold in "
-            "its replicated `P()` layout. Use `--backend pmap`."
-        )
-    k = len(devices)
+    import optax  # here, not at the top: `import jdp` stays light
 
-    def local_grads(variables, images, labels):
-        """(loss, gradient sum over this device's shard, new model state or None)."""
-        if accumulate > 1:
-            return accumulate_grads(micro_grads, variables, images, labels, accumulate, stateful=stateful)
-        return micro_grads(variables, images, labels)
+    check_backend(backend)
+    check_positive("accumulate", accumulate)
+    strategy = allreduce_lib.get(allreduce)
+    check_strategy(strategy, devices, backend, shard_optimizer)
+    k = len(devices)
+    opt = OptState(optimizer, None, k, sharded=shard_optimizer, strategy=strategy)
+
+    def params_of(variables):
+        return variables["params"] if stateful else variables
+
+    def with_params(variables, params, state):
+        return {"params": params, "state": state} if stateful else params
 
     def micro_grads(variables, images, labels):
         if not stateful:
@@ -117,35 +108,147 @@ def make_train_step(
             variables["params"], variables["state"], images, labels)
         return loss, grads, state
 
-    def update(variables, opt_state, grad_sum, state, local_batch):
-        params = variables["params"] if stateful else variables
-        grads = jax.tree.map(lambda g: g / (local_batch * k), grad_sum)  # divide by the FULL batch
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return ({"params": params, "state": state} if stateful else params), opt_state
+    def local_grads(variables, images, labels):
+        """(loss, gradient sum over this device's shard, new model state or None)."""
+        if accumulate > 1:
+            return accumulate_grads(micro_grads, variables, images, labels, accumulate, stateful=stateful)
+        return micro_grads(variables, images, labels)
 
-    def local_step(variables, opt_state, images, labels):
-        loss, grads, state = local_grads(variables, images, labels)
-        grads, opt_state, kept = _reduce(allreduce, grads, opt_state, AXIS)  # the one reduction over the devices
-        variables, opt_state = update(variables, opt_state, grads, state, images.shape[0])
-        return variables, _with_kept(opt_state, kept), loss
+    def apply(params, optimizer_state, grad_sums, local_batch):
+        grads = jax.tree.map(lambda g: g / (local_batch * k), grad_sums)  # divide by the FULL batch
+        updates, optimizer_state = optimizer.update(grads, optimizer_state, params)
+        return optax.apply_updates(params, updates), optimizer_state
 
     if shard_optimizer:
-        return zero.make_step(local_grads, optimizer, allreduce, devices, backend, stateful)
-    if backend == "shard_map":
-        return _shard_map_step(local_step, local_grads, update, allreduce, devices, segment)
-    if allreduce.where == "inside":
-        return jax.pmap(local_step, axis_name=AXIS, devices=devices, donate_argnums=(0, 1))
-    p_grads = jax.pmap(local_grads, axis_name=AXIS, devices=devices)
-    p_update = jax.pmap(
-        lambda v, o, g, s, x: update(v, o, g, s, x.shape[0]),
-        axis_name=AXIS, devices=devices, donate_argnums=(0, 1),
-    )
-    return _outside_step(p_grads, allreduce, p_update, segment)
+        return _sharded_step(strategy, opt, local_grads, apply, params_of, with_params, devices, backend, segment)
+
+    def update(variables, optimizer_state, grads, state, images):
+        params, optimizer_state = apply(params_of(variables), optimizer_state, grads, images.shape[0])
+        return with_params(variables, params, state), optimizer_state
+
+    if strategy.where == "inside":
+
+        def local_step(variables, opt_state, images, labels):
+            optimizer_state, kept = opt.split(opt_state)
+            loss, grads, state = local_grads(variables, images, labels)
+            grads, kept = _reduce(strategy, grads, kept, AXIS)  # the one reduction over the devices
+            variables, optimizer_state = update(variables, optimizer_state, grads, state, images)
+            return variables, opt.join(optimizer_state, kept), loss
+
+        return map_over_devices(local_step, devices, backend, ("replicated", opt.kind, "batch", "batch"),
+                                ("replicated", opt.kind, "per_device"), donate=(0, 1))
+
+    p_grads = segment("compute", map_over_devices(local_grads, devices, backend, ("replicated", "batch", "batch"),
+                                                  ("per_device", "per_device", "replicated")))
+    p_update = segment("compute", map_over_devices(
+        update, devices, backend, ("replicated", opt.optimizer_kind, "per_device", "replicated", "batch"),
+        ("replicated", opt.optimizer_kind), donate=(0, 1)))
+    reduce = segment("communication", lambda grads, kept: _reduce(strategy, grads, kept))
+
+    def step(variables, opt_state, images, labels):
+        optimizer_state, kept = opt.split(opt_state)
+        loss, grads, state = p_grads(variables, images, labels)  # per-device gradients leave the device step
+        grads, kept = reduce(grads, kept)  # explicit transfers between devices
+        variables, optimizer_state = p_update(variables, optimizer_state, grads, state, images)
+        return variables, opt.join(optimizer_state, kept), loss
+
+    return step
 
 
-# Whether XLA keeps one micro-batch's activations when the unrolled micro-batches are ordered by
-# `lax.optimization_barrier` (measured with `memory_analysis()`: yes on JAX 0.12, no on 0.10.2).
+def check_strategy(strategy: Allreduce, devices: Sequence[jax.Device], backend: Backend,
+                   shard_optimizer: bool = False) -> None:
+    """Raises ConfigError unless the train step can run `strategy` over `devices` with `backend`.
+
+    An "outside" strategy copies with `jax.device_put`, which reaches this process's devices only; a
+    stateful one keeps per-device state, which `shard_map`'s replicated `P()` step does not hold; the
+    sharded optimizer needs a strategy's halves, and carries no per-device strategy state.
+    """
+    if strategy.where == "outside" and any(d.process_index != jax.process_index() for d in devices):
+        inside = ", ".join(allreduce_lib.names("inside"))
+        raise ConfigError(
+            f"`allreduce={strategy.name}` copies buffers between devices with `jax.device_put`, which only "
+            f"reaches this process's devices, but the step spans {jax.process_count()} processes. "
+            f"Use a collective strategy instead: {inside}."
+        )
+    if strategy.stateful and backend != "pmap":
+        raise ConfigError(
+            f"`{strategy.name}` keeps different state on each device, which `backend={backend}` cannot hold in "
+            "its replicated `P()` layout. Use `backend=pmap`."
+        )
+    if shard_optimizer and (not strategy.has_halves or strategy.stateful):
+        raise ConfigError(
+            f"`shard_optimizer=True` splits the allreduce into a reduce-scatter and an all-gather, which "
+            f"`allreduce={strategy.name}` does not provide; use one of: {', '.join(allreduce_lib.names(halves=True))}, "
+            "or give your strategy `reduce_scatter` and `all_gather` (see `jdp.Allreduce`)."
+        )
+
+
+def _reduce(strategy: Allreduce, grads: PyTree, kept: PyTree, *axis: str) -> tuple[PyTree, PyTree]:
+    """(the summed gradients, the strategy's new per-device state, None if it keeps none)."""
+    if not strategy.stateful:
+        return strategy.fn(grads, *axis), None
+    return strategy.fn(grads, kept, *axis)
+
+
+def _sharded_step(strategy: Allreduce, opt: OptState, local_grads: Callable, apply: Callable, params_of: Callable,
+                  with_params: Callable, devices: Sequence[jax.Device], backend: Backend, segment: Segment
+                  ) -> TrainStep:
+    """The ZeRO step: reduce-scatter each flat gradient buffer, update this device's slice, all-gather.
+
+    The gradients are raveled into one buffer per dtype, zero-padded to k equal slices
+    (`jdp.parallel.buckets.Flat`); device i receives the sum of slice i only, updates slice i of the
+    params with its slice of the optimizer state, and the new slices are all-gathered. Elementwise
+    optimizers only (SGD, momentum, AdamW); the padding's gradient, state and params stay zero.
+    """
+    k = len(devices)
+
+    def update_slice(variables, optimizer_state, grad_slices, local_batch):
+        """Slice i of the params, updated with this device's state and summed gradient slice."""
+        params = params_of(variables)
+        return apply(plan(params, k).slices(params, lax.axis_index(AXIS)), optimizer_state, grad_slices, local_batch)
+
+    def assemble(variables, gathered, state):
+        params = params_of(variables)
+        return with_params(variables, plan(params, k).unflatten(gathered), state)
+
+    if strategy.where == "inside":
+
+        def local_step(variables, optimizer_state, images, labels):
+            loss, grads, state = local_grads(variables, images, labels)
+            reduced = [strategy.reduce_scatter(b, AXIS) for b in plan(grads, k).flatten(grads)]  # my slice's sum
+            mine, optimizer_state = update_slice(variables, optimizer_state, reduced, images.shape[0])
+            gathered = [strategy.all_gather(m, AXIS) for m in mine]  # every slice, everywhere
+            return assemble(variables, gathered, state), optimizer_state, loss
+
+        return map_over_devices(local_step, devices, backend, ("replicated", opt.kind, "batch", "batch"),
+                                ("replicated", opt.kind, "per_device"), donate=(0, 1))
+
+    def local_buffers(variables, images, labels):
+        loss, grads, state = local_grads(variables, images, labels)
+        return loss, plan(grads, k).flatten(grads), state
+
+    p_buffers = segment("compute", map_over_devices(local_buffers, devices, backend, ("replicated", "batch", "batch"),
+                                                    ("per_device", "per_device", "replicated")))
+    p_update = segment("compute", map_over_devices(
+        lambda v, o, g, x: update_slice(v, o, g, x.shape[0]), devices, backend,
+        ("replicated", opt.kind, "per_device", "batch"), ("per_device", opt.kind), donate=(1,)))
+    p_assemble = segment("compute", map_over_devices(lambda v, g, s: (assemble(v, g, s),), devices, backend,
+                                                     ("replicated", "per_device", "replicated"), ("replicated",),
+                                                     donate=(0,)))
+    reduce_scatter = segment("communication", lambda buffers: [strategy.reduce_scatter(b) for b in buffers])
+    all_gather = segment("communication", lambda slices: [strategy.all_gather(m) for m in slices])
+
+    def step(variables, optimizer_state, images, labels):
+        loss, buffers, state = p_buffers(variables, images, labels)
+        mine, optimizer_state = p_update(variables, optimizer_state, reduce_scatter(buffers), images)
+        (variables,) = p_assemble(variables, all_gather(mine), state)
+        return variables, optimizer_state, loss
+
+    return step
+
+
+# Whether XLA keeps one micro-batch's activations when unrolled micro-batches are ordered by
+# `lax.optimization_barrier` (docs/optimizers.md has the measurement).
 BARRIER_ORDERS_MICRO_BATCHES = jax.__version_info__ >= (0, 12)
 
 
@@ -156,10 +259,10 @@ def accumulate_grads(grads_fn: Callable, variables: PyTree, images: jax.Array, l
     The loss is a sum, so the summed gradients of the parts are the gradient of the whole shard: the
     allreduce and the update that follow are those of one step on the whole batch. Only one part's
     activations are alive at a time: the parts are unrolled, each read through `lax.optimization_barrier`
-    with the running sum, so XLA cannot start part t before part t−1's gradients exist (a `lax.scan`
-    would bound memory too, but XLA's CPU convolutions run ~10x slower inside a loop). JAX 0.10's XLA
-    ignores that order when it assigns buffers, so there the parts run in a `lax.scan`. A stateful
-    model's state (BatchNorm statistics) is threaded from each part to the next, as N steps would.
+    with the running sum, so XLA cannot start part t before part t−1's gradients exist (a `lax.scan` would
+    bound memory too, but XLA's CPU convolutions run far slower inside a loop). Where XLA does not keep
+    that order (`BARRIER_ORDERS_MICRO_BATCHES` false: JAX before 0.12), the parts run in a `lax.scan`.
+    A stateful model's state (BatchNorm statistics) is threaded from each part to the next, as N steps would.
 
     Args:
       grads_fn: (variables, images, labels) -> (summed loss, gradients, new state or None).
@@ -176,8 +279,8 @@ def accumulate_grads(grads_fn: Callable, variables: PyTree, images: jax.Array, l
     n = images.shape[0]
     if n % micro_batches:
         raise ConfigError(
-            f"`--accumulate {micro_batches}` cuts each device's {n} rows into {micro_batches} equal micro-batches, "
-            f"which {n} does not allow: use a `--batch-size` that is a multiple of devices × {micro_batches}."
+            f"`accumulate={micro_batches}` cuts each device's {n} rows into {micro_batches} equal micro-batches, "
+            f"which {n} does not allow: use a `batch_size` that is a multiple of devices × {micro_batches}."
         )
     parts = jax.tree.map(lambda a: a.reshape(micro_batches, n // micro_batches, *a.shape[1:]), (images, labels))
 
@@ -199,80 +302,3 @@ def accumulate_grads(grads_fn: Callable, variables: PyTree, images: jax.Array, l
         carry, _ = lax.scan(lambda carry, part: (add_part(carry, part), None), carry, parts)
     loss, grads, variables = carry
     return loss, grads, variables["state"] if stateful else None
-
-
-def _outside_step(grads_fn, allreduce: Allreduce, update_fn, segment) -> TrainStep:
-    """The step of an "outside" strategy: three calls, with the allreduce's transfers between them."""
-    grads_fn, update_fn = segment("compute", grads_fn), segment("compute", update_fn)
-    reduce_grads = segment("communication", partial(_reduce, allreduce))
-
-    def step(variables, opt_state, images, labels):
-        loss, grads, state = grads_fn(variables, images, labels)  # per-device gradients leave the device step
-        grads, opt_state, kept = reduce_grads(grads, opt_state)  # explicit transfers between devices
-        variables, opt_state = update_fn(variables, opt_state, grads, state, images)
-        return variables, _with_kept(opt_state, kept), loss
-
-    return step
-
-
-def _reduce(allreduce: Allreduce, grads: PyTree, opt_state: PyTree, *axis: str) -> tuple[PyTree, PyTree, PyTree]:
-    """(the summed gradients, the optimizer's state, the strategy's new state or None if it keeps none)."""
-    if allreduce.init is None:
-        return allreduce.fn(grads, *axis), opt_state, None
-    grads, kept = allreduce.fn(grads, opt_state["allreduce"], *axis)
-    return grads, opt_state["optimizer"], kept
-
-
-def _with_kept(opt_state: PyTree, kept: PyTree) -> PyTree:
-    """The step's opt_state: the optimizer's, with a stateful strategy's state beside it."""
-    return opt_state if kept is None else {"optimizer": opt_state, "allreduce": kept}
-
-
-def _shard_map_step(local_step, local_grads, update, allreduce: Allreduce,
-                    devices: Sequence[jax.Device], segment) -> TrainStep:
-    """The step as `jit(shard_map(...))`: params `P()`, batch `P('data')`.
-
-    The double count. Inside `shard_map` with `check_vma=True`, params specified `P()` are typed
-    invariant over the axis and the batch varying; differentiating the loss w.r.t. such params makes
-    autodiff insert the transpose of the implicit broadcast, a psum: the gradients come out ALREADY
-    summed over devices, and any strategy on top sums them again (psum: k times the gradient).
-    jdp's strategies are the object of study and each must be the one and only reduction, applied to
-    each device's local gradient sum; strategies built from `ppermute` (ring, tree) also return values
-    that are equal on every device but typed varying, which `check_vma=True` refuses to return as `P()`.
-    So the step is mapped with `check_vma=False`: autodiff adds no psum, exactly as under `jax.pmap`
-    (itself `jit(shard_map(..., check_vma=False))`). `test_backends.py` fails if gradients are summed twice.
-
-    "Outside" strategies keep params `P()` too: the per-device gradients leave the step as one (k, ...)
-    array sharded `P('data')` (slice i on device i), the layout those strategies consume and return;
-    the update then takes each device's slice. Their results are bit-identical on every device, which
-    is what lets the update return params as `P()` without a check. Model state (synchronised
-    BatchNorm statistics) is equal on every device too, and returned `P()` likewise.
-    """
-    m = mesh(devices)
-    batch, replicated = P(AXIS), P()
-
-    def shard_map(fn, in_specs, out_specs):
-        return jax.shard_map(fn, mesh=m, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-
-    if allreduce.where == "inside":
-
-        def local_step_stacked(variables, opt_state, images, labels):
-            variables, opt_state, loss = local_step(variables, opt_state, images, labels)
-            return variables, opt_state, loss[None]
-
-        mapped = shard_map(local_step_stacked, (replicated, replicated, batch, batch), (replicated, replicated, batch))
-        return jax.jit(mapped, donate_argnums=(0, 1))
-
-    def local_grads_stacked(variables, images, labels):
-        loss, grads, state = local_grads(variables, images, labels)
-        return loss[None], jax.tree.map(lambda g: g[None], grads), state  # stacked: (k, ...) over the devices
-
-    def local_update(variables, opt_state, grads, state, images):
-        return update(variables, opt_state, jax.tree.map(lambda g: g[0], grads), state, images.shape[0])
-
-    s_grads = jax.jit(shard_map(local_grads_stacked, (replicated, batch, batch), (batch, batch, replicated)))
-    s_update = jax.jit(
-        shard_map(local_update, (replicated, replicated, batch, replicated, batch), (replicated, replicated)),
-        donate_argnums=(0, 1),
-    )
-    return _outside_step(s_grads, allreduce, s_update, segment)

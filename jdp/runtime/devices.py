@@ -17,7 +17,7 @@ AXIS = "data"  # the one device-axis name used by every mapped function and coll
 
 
 def simulate_cpu_devices(n: int) -> None:
-    """Makes the CPU backend expose `n` devices (the old `--xla_force_host_platform_device_count`).
+    """Makes the CPU backend expose `n` devices (XLA's old `--xla_force_host_platform_device_count`).
 
     Args:
       n: number of CPU devices to simulate, at least 1.
@@ -26,7 +26,7 @@ def simulate_cpu_devices(n: int) -> None:
       ConfigError: if `n` < 1.
       DeviceError: if JAX's backend is already running with a different CPU device count.
     """
-    check_positive("--cpu-devices", n)
+    check_positive("n", n)
     if xla_bridge.backends_are_initialized():
         have = len(jax.devices("cpu"))
         if have != n:
@@ -53,7 +53,7 @@ def select_devices(count: int | None = None, platform: str | None = None) -> lis
       DeviceError: if a process has fewer than `count` devices.
     """
     if count is not None:
-        check_positive("--devices", count)
+        check_positive("count", count)
     by_process: dict[int, list[jax.Device]] = {}
     for device in sorted(jax.devices(platform), key=lambda d: (d.process_index, d.id)):
         by_process.setdefault(device.process_index, []).append(device)
@@ -62,8 +62,9 @@ def select_devices(count: int | None = None, platform: str | None = None) -> lis
         if len(ds) < per_process:
             where = "this process has" if len(by_process) == 1 else f"process {process} has"
             raise DeviceError(
-                f"`--devices {per_process}` asks for more devices than exist: {where} {len(ds)} "
-                f"{ds[0].platform} device(s). On a CPU, simulate more with `--cpu-devices {per_process}`."
+                f"`count={per_process}` asks for more devices than exist: {where} {len(ds)} "
+                f"{ds[0].platform} device(s). On a CPU, simulate more before JAX starts: "
+                f"`simulate_cpu_devices({per_process})`."
             )
     return [d for ds in by_process.values() for d in ds[:per_process]]
 

@@ -36,7 +36,7 @@ def initialize(
     *,
     environ: dict[str, str] | None = None,
 ) -> bool:
-    """Joins the multi-process job described by the flags or, without flags, by the cluster.
+    """Joins the multi-process job described by the arguments or, without any, by the cluster.
 
     Must run before anything starts JAX's backends (like `jdp.simulate_cpu_devices`).
     On CPUs the collectives between processes go through gloo (`jax_cpu_collectives_implementation`,
@@ -52,31 +52,31 @@ def initialize(
       True if jax.distributed was initialised (more than one process), False for a single process.
 
     Raises:
-      ConfigError: for an incomplete or inconsistent set of flags.
+      ConfigError: for an incomplete or inconsistent set of arguments.
       DeviceError: if JAX's backends already started, or the coordinator cannot be joined.
     """
-    flags = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
-    given = {name for name, value in flags.items() if value is not None}
-    if num_processes == 1 and given <= {"--num-processes", "--process-id"}:
+    job = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    given = {name for name, value in job.items() if value is not None}
+    if num_processes == 1 and given <= {"num_processes", "process_id"}:
         if process_id not in (None, 0):
-            raise ConfigError(f"`--process-id {process_id}` must be 0 with `--num-processes 1`.")
+            raise ConfigError(f"`process_id={process_id}` must be 0 with `num_processes=1`.")
         return False
     if not given:
         if not cluster_detected(environ):
             return False
         return _initialize({})
-    if given != set(flags):
-        missing = ", ".join(f"`{name}`" for name in flags if name not in given)
+    if given != set(job):
+        missing = ", ".join(f"`{name}`" for name in job if name not in given)
         raise ConfigError(
-            f"Multi-process training needs `--coordinator HOST:PORT`, `--num-processes` and `--process-id` "
+            f"Multi-process training needs `coordinator` (HOST:PORT), `num_processes` and `process_id` "
             f"together; missing {missing}. Give all three (or none, to let a SLURM/MPI job set them)."
         )
     if not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}", coordinator):
-        raise ConfigError(f"`--coordinator {coordinator}` must be HOST:PORT, e.g. 10.0.0.1:1234.")
-    check_positive("--num-processes", num_processes)
+        raise ConfigError(f"`coordinator={coordinator}` must be HOST:PORT, e.g. 10.0.0.1:1234.")
+    check_positive("num_processes", num_processes)
     if not 0 <= process_id < num_processes:
         raise ConfigError(
-            f"`--process-id {process_id}` must be in [0, {num_processes}) for `--num-processes {num_processes}`."
+            f"`process_id={process_id}` must be in [0, {num_processes}) for `num_processes={num_processes}`."
         )
     return _initialize(dict(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id))
 

@@ -67,9 +67,9 @@ def launch(
     """
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     if not command:
-        raise ConfigError("`jdp launch` needs a command after `--`, e.g. `jdp launch --num-processes 2 -- jdp train`.")
-    check_positive("--num-processes", num_processes)
-    check_positive("--cpu-devices-per-process", cpu_devices_per_process)
+        raise ConfigError('`command` is empty: pass the program and its arguments, e.g. ["jdp", "train"].')
+    check_positive("num_processes", num_processes)
+    check_positive("cpu_devices_per_process", cpu_devices_per_process)
     clash = [flag for flag in JOB_FLAGS if any(arg == flag or arg.startswith(flag + "=") for arg in command)]
     if clash:
         raise ConfigError(f"The launched command must not set {', '.join(f'`{f}`' for f in clash)}: "

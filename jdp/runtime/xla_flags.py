@@ -4,9 +4,8 @@ XLA reads `XLA_FLAGS` once, when JAX starts its first backend, and aborts the wh
 flag name it does not know. Both flags below are marked experimental and come and go between
 jaxlib releases, so each is set only if its name is compiled into the installed jaxlib, and users
 can turn them all off with `--no-xla-flags` or `JDP_NO_XLA_FLAGS=1`. Neither changes the math:
-they choose which library runs a fusion or a convolution.
-
-Measured effect on the LeNet step (2-core Zen 4 CPU, README, "Speed"): ~×1.7–2.5.
+they choose which library runs a fusion or a convolution. What they are worth on the LeNet step
+is measured in docs/performance.md.
 """
 
 import mmap

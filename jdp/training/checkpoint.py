@@ -8,7 +8,7 @@ one, never a file that loads wrong; the digest catches any later corruption.
 
 jdp writes only into a directory that holds nothing but its own checkpoints: a directory with
 other files is refused (so nothing of the user's is overwritten or pruned), and a directory that
-already holds checkpoints is continued only with `--resume`.
+already holds checkpoints is continued only with `resume=True` (`--resume`).
 """
 
 import hashlib
@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from flax import serialization
 
 from jdp.errors import ConfigError, DataError, check_positive
 
@@ -70,13 +69,13 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     if not directory.exists():
         return []
     if not directory.is_dir():
-        raise ConfigError(f"`--checkpoint-dir {directory}` is a file, not a directory; pass a directory.")
+        raise ConfigError(f"`checkpoint_dir={directory}` is a file, not a directory; pass a directory.")
     names = [p.name for p in directory.iterdir() if not p.name.startswith(_TMP_PREFIX)]
     foreign = sorted(n for n in names if not (_NAME.fullmatch(n) and (directory / n).is_file()))
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise ConfigError(
-            f"`--checkpoint-dir {directory}` holds files that are not jdp checkpoints ({shown}); jdp writes "
+            f"`checkpoint_dir={directory}` holds files that are not jdp checkpoints ({shown}); jdp writes "
             "only into a new or empty directory or one of its own checkpoint directories. Pass another directory."
         )
     return sorted((directory / n for n in names), key=lambda p: p.name, reverse=True)
@@ -86,19 +85,19 @@ def check_options(directory: str | os.PathLike | None, every: int | None, resume
     """Fails early on checkpoint options a run cannot use (before any data is loaded).
 
     Args:
-      directory: `--checkpoint-dir`, or None for no checkpoints.
-      every: `--checkpoint-every` (steps between saves), or None for the end of every epoch.
-      resume: `--resume`.
+      directory: `checkpoint_dir` of `jdp.train`, or None for no checkpoints.
+      every: `checkpoint_every` (steps between saves), or None for the end of every epoch.
+      resume: `resume`.
 
     Raises:
-      ConfigError: naming the flag that is wrong.
+      ConfigError: naming the argument (`jdp.train`'s) that is wrong.
     """
     if every is not None:
-        check_positive("--checkpoint-every", every, "number of steps")
+        check_positive("checkpoint_every", every, "number of steps")
     if directory is None:
         if resume or every is not None:
-            flag = "--resume" if resume else "--checkpoint-every"
-            raise ConfigError(f"`{flag}` needs `--checkpoint-dir DIR`: say where the checkpoints are.")
+            name = "resume=True" if resume else "checkpoint_every"
+            raise ConfigError(f"`{name}` needs `checkpoint_dir=DIR`: say where the checkpoints are.")
         return
     check_directory(directory, resume=resume)
 
@@ -113,8 +112,8 @@ def check_directory(directory: str | os.PathLike, *, resume: bool) -> None:
     existing = list_checkpoints(directory)
     if existing and not resume:
         raise ConfigError(
-            f"`--checkpoint-dir {directory}` already holds checkpoints (newest: {existing[0].name}); "
-            "pass `--resume` to continue that run, or pass a new directory."
+            f"`checkpoint_dir={directory}` already holds checkpoints (newest: {existing[0].name}); "
+            "pass `resume=True` to continue that run, or pass a new directory."
         )
 
 
@@ -131,6 +130,8 @@ def save(directory: str | os.PathLike, step: int, arrays: PyTree, info: dict[str
     Returns:
       The path of the new checkpoint.
     """
+    from flax import serialization  # Flax takes a quarter of a second to import: only once there is a file
+
     directory = Path(directory)
     list_checkpoints(directory)  # refuses a directory holding foreign files before writing there
     directory.mkdir(parents=True, exist_ok=True)
@@ -180,6 +181,8 @@ def load(path: str | os.PathLike, target: PyTree, check: Callable[[dict[str, Any
       DataError: if the file is not a complete, intact jdp checkpoint.
       ConfigError: if its arrays do not fit `target` (another model), naming the first leaf.
     """
+    from flax import serialization
+
     path = Path(path)
     match = _NAME.fullmatch(path.name)
     if match is None:
@@ -210,13 +213,13 @@ def _check_fits(path: Path, saved: PyTree, target: PyTree) -> None:
         differ = sorted(have.keys() ^ want.keys())
         raise ConfigError(
             f"{path} holds other arrays than this run's model and optimizer ({', '.join(differ[:4])} differ): "
-            "it belongs to another model. Pass a new `--checkpoint-dir`."
+            "it belongs to another model. Pass a new `checkpoint_dir`."
         )
     for key, got in have.items():
         if got.shape != want[key].shape or got.dtype != want[key].dtype:
             raise ConfigError(
                 f"{path} holds `{key}` as {got.dtype}{list(got.shape)} but this run's model has "
-                f"{want[key].dtype}{list(want[key].shape)}: it belongs to another model. Pass a new `--checkpoint-dir`."
+                f"{want[key].dtype}{list(want[key].shape)}: it belongs to another model. Pass a new `checkpoint_dir`."
             )
 
 
@@ -242,7 +245,7 @@ def restore_latest(directory: str | os.PathLike, target: PyTree,
         return found
     if problems:
         raise DataError(
-            f"No intact checkpoint in `--checkpoint-dir {directory}`: {' '.join(problems)} "
+            f"No intact checkpoint in `checkpoint_dir={directory}`: {' '.join(problems)} "
             "Remove the damaged files or pass a new directory."
         )
     return None

@@ -7,8 +7,7 @@ each step every device gathers its own rows of the batch from its copy. Nothing 
 device per step; the only host syncs are the bounded in-flight window (`jdp.parallel.inflight`). With
 `steps_per_call` S > 1 one compiled call runs S steps, so Python dispatches once per S steps. The
 S steps are unrolled in the program, not a `lax.scan`: XLA's CPU backend runs the convolutions
-inside a while loop 10-100x slower than outside one (measured on the LeNet step: 0.13 s vs 1.8 s
-on JAX 0.10, 11.8 s on 0.12).
+inside a while loop many times slower than outside one (docs/performance.md).
 
 When the set does not fit, or the step is mapped with `shard_map` or spans several processes,
 batches are copied from the host one call ahead of the call that uses them (double buffering):
@@ -26,13 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jdp.data import Split
 from jdp.errors import ConfigError, check_positive
 from jdp.parallel.inflight import InFlight
-from jdp.parallel.layout import Backend, process_rows, replicate, sharded, split_batch
+from jdp.parallel.layout import Backend, map_over_devices, place_step_batches, process_rows, replicate, split_batch
 from jdp.parallel.step import TrainStep
 from jdp.runtime.devices import AXIS
 
@@ -110,20 +107,20 @@ def make_epoch_runner(
     Raises:
       ConfigError: for settings the feeders cannot run (named by their flags).
     """
-    check_positive("--steps-per-call", steps_per_call)
+    check_positive("steps_per_call", steps_per_call)
     if steps_per_call > 1 and not traceable:
         raise ConfigError(
-            f"`--steps-per-call {steps_per_call}` runs several steps in one compiled call, which needs a "
-            "collective allreduce strategy (traceable inside `jax.jit`). Use `--steps-per-call 1` or `--allreduce psum`."
+            f"`steps_per_call={steps_per_call}` runs several steps in one compiled call, which needs a "
+            "collective allreduce strategy (traceable inside `jax.jit`). Use `steps_per_call=1` or `allreduce=psum`."
         )
     single_pmap = backend == "pmap" and jax.process_count() == 1
     if steps_per_call > 1 and not single_pmap:
         raise ConfigError(
-            f"`--steps-per-call {steps_per_call}` is implemented for `--backend pmap` in a single process; "
-            "use `--steps-per-call 1` with `--backend shard_map` or several processes."
+            f"`steps_per_call={steps_per_call}` is implemented for `backend=pmap` in a single process; "
+            "use `steps_per_call=1` with `backend=shard_map` or several processes."
         )
     if resident and not single_pmap:
-        raise ConfigError("Data resident on the devices needs `--backend pmap` in a single process.")
+        raise ConfigError("Data resident on the devices needs `backend=pmap` in a single process.")
     steps = len(split.labels) // batch_size
 
     def calls(start: int) -> list[int]:
@@ -149,8 +146,9 @@ def _resident_runner(step, split, devices, batch_size, calls, traceable) -> Epoc
         rows = lax.dynamic_slice_in_dim(order, t * batch_size + lax.axis_index(AXIS) * local, local)
         return images[rows], labels[rows], t + 1
 
-    p_order = jax.pmap(local_order, devices=devices)
-    p_fetch = jax.pmap(local_fetch, axis_name=AXIS, devices=devices)
+    everywhere = ("replicated",) * 4
+    p_order = map_over_devices(local_order, devices, "pmap", everywhere[:1], everywhere[:2])
+    p_fetch = map_over_devices(local_fetch, devices, "pmap", everywhere, ("batch", "batch", "replicated"))
 
     def chunk(params, opt_state, images, labels, order, t, *, length):
         losses = []
@@ -185,7 +183,6 @@ def _resident_runner(step, split, devices, batch_size, calls, traceable) -> Epoc
 
 def _host_runner(step, split, devices, batch_size, backend, calls, chunked) -> EpochRunner:
     k = len(devices)
-    stacked = NamedSharding(sharded(devices).mesh, P(None, AXIS))  # (S, k, B/k, ...)
     rows = process_rows(batch_size, devices)  # this process's share of every batch
 
     def chunk(params, opt_state, xs, ys):
@@ -206,7 +203,7 @@ def _host_runner(step, split, devices, batch_size, backend, calls, chunked) -> E
                 continue
             xs = np.stack([x for x, _ in group]).reshape(length, k, batch_size // k, *split.images.shape[1:])
             ys = np.stack([y for _, y in group]).reshape(length, k, batch_size // k)
-            yield length, jax.device_put(xs, stacked), jax.device_put(ys, stacked)
+            yield length, place_step_batches(xs, devices), place_step_batches(ys, devices)
 
     def run_epoch(state: State, key: jax.Array, progress: Progress, start: int = 0,
                   after_call: AfterCall | None = None) -> tuple[State, list[jax.Array]]:

@@ -30,8 +30,8 @@ def finite_flags(loss: jax.Array, params: PyTree) -> list[jax.Array]:
     """Whether the loss and each leaf of `params` are finite, computed on the devices.
 
     Each array is reduced over all but its leading axis, never across it: under `pmap` that axis is
-    the device axis, so no device waits for another (a cross-device reduction is a collective, and
-    collectives dispatched ahead of the host freeze XLA's CPU rendezvous on JAX <= 0.11).
+    the device axis, so no device waits for another (a cross-device reduction would be a collective,
+    dispatched ahead of the host outside the loop's bounded window, `jdp.parallel.inflight`).
 
     Params after step t are finite exactly when step t's gradients were finite and its update did
     not overflow, so checking them checks the gradients without taking them out of the step.
@@ -78,10 +78,10 @@ def check_finite(flags: Sequence[jax.Array], names: Sequence[str], step: int | s
         bad = [name for name, fine in zip(names, ok[1:]) if not fine]
         what = (f"its update made the parameters {', '.join(bad)} non-finite (non-finite gradients, "
                 "or an update too large)")
-    where = (f"The last good checkpoint (all values finite) is {last_good}: lower `--lr` and rerun, "
-             "or continue from it with `--resume`."
+    where = (f"The last good checkpoint (all values finite) is {last_good}: lower `lr` and rerun, "
+             "or continue from it with `resume=True`."
              if last_good is not None else
-             "No checkpoint was saved before it: lower `--lr` and rerun (with `--checkpoint-dir` to keep some).")
+             "No checkpoint was saved before it: lower `lr` and rerun (with `checkpoint_dir` to keep some).")
     at = f"step {step}" if isinstance(step, int) else f"steps {step} (one compiled call)"
     raise TrainingError(f"Stopped at {at}: {what}. {where}")
 

@@ -28,21 +28,20 @@ class Keeper:
     and after the last epoch; without `every`, after every epoch. Only process 0 writes.
 
     Args:
-      directory: `--checkpoint-dir`, or None to save nothing.
-      every: `--checkpoint-every`, or None.
+      directory: `checkpoint_dir`, or None to save nothing.
+      every: `checkpoint_every`, or None.
       run: `describe_run` of this run (stored with each checkpoint), or None without a directory.
       steps_per_epoch: batches per epoch.
       watch: the guards to run after every call (see `jdp.training.guards.Watch`).
       host_copy: replicated device arrays -> this process's host copy (e.g. `jdp.unreplicate`).
       data_key: the key data of the run's data-order PRNG key (saved with every checkpoint).
-      opt_host_copy: the optimizer state on the devices -> its host form; None: `host_copy` (a
-        sharded state is gathered instead, see `jdp.parallel.zero.gather_state`).
+      opt_host_copy: the optimizer state on the devices -> its host form (`jdp.OptState.to_host`).
     """
 
     def __init__(self, directory: str | os.PathLike | None, every: int | None, run: dict[str, Any] | None,
                  steps_per_epoch: int, watch: Any, host_copy: Any, data_key: np.ndarray,
-                 opt_host_copy: Any = None) -> None:
-        self._opt_host_copy = opt_host_copy or host_copy
+                 opt_host_copy: Any) -> None:
+        self._opt_host_copy = opt_host_copy
         self.directory, self.every, self.run, self.data_key = directory, every, run, data_key
         self.steps_per_epoch, self.watch, self._host_copy = steps_per_epoch, watch, host_copy
         self.step, self.epoch, self.batches_done = 0, 1, 0
@@ -69,8 +68,8 @@ class Keeper:
         self._saved_at, self.watch.last_good, self.data_key = self.step, found.path, found.arrays["data_key"]
         if epochs < self.epoch - (self.batches_done == 0):
             raise ConfigError(
-                f"`--epochs {epochs}` ends before {found.path} (step {self.step}, epoch {self.epoch}): "
-                f"pass `--epochs {self.epoch - (self.batches_done == 0)}` or more."
+                f"`epochs={epochs}` ends before {found.path} (step {self.step}, epoch {self.epoch}): "
+                f"pass `epochs={self.epoch - (self.batches_done == 0)}` or more."
             )
         for note in notes:
             log.info(note)

@@ -3,31 +3,34 @@
 Each is applied to the mean gradient of the full batch (the step divides the summed gradient by
 the global batch size), so the learning rates mean what they mean for one device on the whole batch.
 All three are elementwise (every element's update depends only on that element's gradient, param and
-state), which is what lets `--shard-optimizer` update each device's slice of the parameters on its own.
+state), which is what lets `shard_optimizer=True` update each device's slice of the parameters on its own.
 """
 
-import optax
+from typing import TYPE_CHECKING
 
 from jdp.errors import ConfigError
 
+if TYPE_CHECKING:
+    import optax
+
 OPTIMIZERS = ("sgd", "momentum", "adamw")
-DEFAULT_MOMENTUM = 0.9  # `--optimizer momentum` without `--momentum`
-ADAMW_WEIGHT_DECAY = 1e-4  # optax.adamw's own default, for `--optimizer adamw` without `--weight-decay`
+DEFAULT_MOMENTUM = 0.9  # `optimizer="momentum"` without `momentum`
+ADAMW_WEIGHT_DECAY = 1e-4  # optax.adamw's own default, for `optimizer="adamw"` without `weight_decay`
 
 
 def make(
     name: str,
-    learning_rate: float | optax.Schedule,
+    learning_rate: "float | optax.Schedule",
     *,
     momentum: float | None = None,
     weight_decay: float | None = None,
-) -> optax.GradientTransformation:
+) -> "optax.GradientTransformation":
     """The optax optimizer `name` ("sgd", "momentum" or "adamw").
 
     Args:
       name: "sgd" (the lesson's: `optax.sgd`, no state), "momentum" (`optax.sgd` with a momentum
         trace, Polyak 1964) or "adamw" (`optax.adamw`, Loshchilov & Hutter 2019).
-      learning_rate: a constant or an optax schedule (e.g. the warmup of `--warmup-steps`).
+      learning_rate: a constant or an optax schedule (e.g. the warmup of `warmup_steps`).
       momentum: the trace's decay, for "momentum" only; None means 0.9.
       weight_decay: "sgd"/"momentum": an L2 term wd·p added to the gradient (None or 0: none);
         "adamw": the decoupled decay (None: optax's default, 1e-4).
@@ -36,14 +39,16 @@ def make(
       ConfigError: for an unknown name, `momentum` given to another optimizer, or a value out of range.
     """
     if name not in OPTIMIZERS:
-        raise ConfigError(f"Unknown `--optimizer {name}`; choose one of: {', '.join(OPTIMIZERS)}.")
+        raise ConfigError(f"Unknown `optimizer={name}`; choose one of: {', '.join(OPTIMIZERS)}.")
     if momentum is not None and name != "momentum":
-        raise ConfigError(f"`--momentum` applies to `--optimizer momentum`, not `{name}`; drop it or add "
-                          "`--optimizer momentum`.")
+        raise ConfigError(f"`momentum` applies to `optimizer=momentum`, not `{name}`; drop it or pass "
+                          "`optimizer=momentum`.")
     if momentum is not None and not 0 <= momentum < 1:
-        raise ConfigError(f"`--momentum` must be in [0, 1), got {momentum}.")
+        raise ConfigError(f"`momentum` must be in [0, 1), got {momentum}.")
     if weight_decay is not None and not weight_decay >= 0:
-        raise ConfigError(f"`--weight-decay` must be >= 0, got {weight_decay}.")
+        raise ConfigError(f"`weight_decay` must be >= 0, got {weight_decay}.")
+    import optax  # here, not at the top: `import optax` costs a tenth of `import jax`
+
     if name == "adamw":
         return optax.adamw(learning_rate, weight_decay=ADAMW_WEIGHT_DECAY if weight_decay is None else weight_decay)
     sgd = optax.sgd(learning_rate, momentum=(DEFAULT_MOMENTUM if momentum is None else momentum)

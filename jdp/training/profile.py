@@ -57,14 +57,14 @@ class Breakdown(NamedTuple):
 
 
 def parse_steps(text: str) -> tuple[int, int]:
-    """`--profile-steps A:B` → (A, B), 1 ≤ A ≤ B.
+    """`profile_steps` "A:B" (the CLI's `--profile-steps A:B`) → (A, B), 1 ≤ A ≤ B.
 
     Raises:
       ConfigError: if it is not two such integers.
     """
     match = re.fullmatch(r"(\d+):(\d+)", text)
     if not match or not 1 <= int(match[1]) <= int(match[2]):
-        raise ConfigError(f"`--profile-steps {text}` must be A:B with 1 <= A <= B, e.g. `--profile-steps 5:14`.")
+        raise ConfigError(f"`profile_steps={text}` must be A:B with 1 <= A <= B, e.g. `profile_steps=5:14`.")
     return int(match[1]), int(match[2])
 
 
@@ -168,7 +168,7 @@ class Profiler:
 def check_window(first: int, last: int, total_steps: int) -> None:
     """Raises ConfigError unless steps `first`..`last` fall within a run of `total_steps` steps."""
     if last > total_steps:
-        raise ConfigError(f"`--profile-steps {first}:{last}` goes past the run's {total_steps} steps; "
+        raise ConfigError(f"`profile_steps={first}:{last}` goes past the run's {total_steps} steps; "
                           f"choose B <= {total_steps}.")
 
 

@@ -50,11 +50,11 @@ def describe_run(config: dict[str, Any], dataset: Any, device_count: int,
 
 
 def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuses a checkpoint whose optimizer state is of another kind (`--optimizer`, `--shard-optimizer`).
+    """Refuses a checkpoint whose optimizer state is of another kind (`optimizer`, `shard_optimizer`).
 
     Checked before the arrays are read, so the error names the flag, not the first array that differs.
-    The device count may change under `--shard-optimizer`: the state is stored unsliced (`jdp.parallel.zero`);
-    it may not with an allreduce that keeps state per device (`--compress powersgd`).
+    The device count may change under `shard_optimizer`: the state is stored unsliced (`jdp.parallel.opt_state`);
+    it may not with an allreduce that keeps state per device (`compress=powersgd`).
 
     Raises:
       ConfigError: naming the setting that differs.
@@ -65,7 +65,7 @@ def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
             raise ConfigError(
                 f"This run has {_shown(name, new[name])} but the checkpoint has {_shown(name, old[name])}: their "
                 "optimizer states hold other arrays. Resume with the checkpoint's setting, or pass a new "
-                "`--checkpoint-dir`."
+                "`checkpoint_dir`."
             )
     had = saved.get("per_device_state", old.get("compress") == "powersgd")  # checkpoints from before the field
     has = current.get("per_device_state", False)
@@ -73,31 +73,31 @@ def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
         raise ConfigError(
             f"This run's allreduce ({_strategy(new)}) {'keeps' if has else 'keeps no'} state per device, the "
             f"checkpoint's ({_strategy(old)}) {'does' if had else 'does not'}: their optimizer states hold other "
-            "arrays. Resume with the checkpoint's setting, or pass a new `--checkpoint-dir`."
+            "arrays. Resume with the checkpoint's setting, or pass a new `checkpoint_dir`."
         )
     if has and saved["devices"] != current["devices"]:
         raise ConfigError(
             f"The checkpoint holds {_strategy(old)}'s state for each of {saved['devices']} devices; this run has "
-            f"{current['devices']}. Resume on {saved['devices']} devices, or pass a new `--checkpoint-dir`."
+            f"{current['devices']}. Resume on {saved['devices']} devices, or pass a new `checkpoint_dir`."
         )
 
 
 def _strategy(config: dict[str, Any]) -> str:
     compress = config.get("compress", "none")
-    return f"`--compress {compress}`" if compress != "none" else f"`--allreduce {config.get('allreduce')}`"
+    return f"`compress={compress}`" if compress != "none" else f"`allreduce={config.get('allreduce')}`"
 
 
 def _shown(name: str, value: Any) -> str:
     if name == "optimizer":
-        return f"`--optimizer {value}`"
-    return "`--shard-optimizer`" if value else "no `--shard-optimizer`"
+        return f"`optimizer={value}`"
+    return f"`shard_optimizer={bool(value)}`"
 
 
 def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Refuses to resume a checkpoint under a run that would make it mean something else.
 
     A different model is caught by `load` (shapes); a different dataset, batch size or seed here. Any
-    other setting may change (e.g. a lower `--lr` after a NaN): the run continues from the same
+    other setting may change (e.g. a lower `lr` after a NaN): the run continues from the same
     state, but is then not bit-identical to an uninterrupted one. So may the device count: every
     device sums its shard's gradients, the allreduce sums those, and the update divides by the full
     batch, so the update is the same for any count dividing the batch; only the order of float
@@ -118,15 +118,15 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
         raise ConfigError(
             f"The checkpoint was written for another dataset ({have['train']} training images, sha256 "
             f"{have['sha256'][:12]}…) than this run's ({want['train']}, {want['sha256'][:12]}…). Resume with the "
-            "same `--dataset`, `--data-dir` and `--seed`, or pass a new `--checkpoint-dir`."
+            "same `--dataset`, `--data-dir` and `--seed`, or pass a new `checkpoint_dir`."
         )
     old, new = {**ADDED, **saved["config"]}, {**ADDED, **current["config"]}
     for name in MUST_MATCH:
         if old.get(name) != new.get(name):
             raise ConfigError(
-                f"`--{name.replace('_', '-')} {new.get(name)}` differs from the checkpoint's {old.get(name)}: the "
+                f"`{name}={new.get(name)}` differs from the checkpoint's {old.get(name)}: the "
                 "data order to resume is defined by the batch size and seed. Resume with the checkpoint's value, "
-                "or pass a new `--checkpoint-dir`."
+                "or pass a new `checkpoint_dir`."
             )
     notes = [
         f"resuming with `--{name.replace('_', '-')} {new.get(name)}` instead of the checkpoint's {old.get(name)}: "

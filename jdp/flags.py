@@ -1,7 +1,9 @@
 """Flags that `jdp train` and the benchmarks share, and what they set up before JAX starts.
 
-The benchmarks take their flags from here, never from `jdp.cli.main`, so that nothing in jdp
-imports the CLI.
+Below both the CLI (`jdp.cli`) and the benchmarks (`jdp.bench`), so that the benchmarks never
+import the CLI. Choices come from the library's own constants, so a flag offers exactly what the
+library accepts. Errors name the flags' destinations (`plugin=...`, `out=...`), which the CLI
+prints as the flags (`--plugin ...`, `--out ...`), as for every `jdp.errors.JdpError`.
 """
 
 import argparse
@@ -9,7 +11,10 @@ import importlib
 import os
 from pathlib import Path
 
-from jdp.errors import ConfigError
+from jdp.errors import ConfigError, DeviceError, check_positive
+from jdp.parallel.compress import MODES
+from jdp.parallel.layout import BACKENDS
+from jdp.training.optimizers import OPTIMIZERS
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -33,14 +38,13 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_backend_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="pmap", choices=["pmap", "shard_map"],
+    """`--backend`: one of `jdp.parallel.layout.BACKENDS`."""
+    parser.add_argument("--backend", default="pmap", choices=BACKENDS,
                         help="map the step with jax.pmap, or jax.jit(jax.shard_map) over a 1-D mesh")
 
 
 def add_compress_flags(parser: argparse.ArgumentParser) -> None:
     """`--compress` and `--powersgd-rank`: how the allreduce compresses what it sends (jdp.parallel.compress)."""
-    from jdp.parallel.compress import MODES  # imports JAX, which the benches' parsers import anyway
-
     parser.add_argument("--compress", default="none", choices=MODES,
                         help="compress the allreduce: cast to bf16/fp16 (sums in that dtype), send bf16/fp16 but add "
                         "in float32 at each ring hop (-wire, --allreduce ring), or rank-R PowerSGD with error feedback")
@@ -50,7 +54,7 @@ def add_compress_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_optimizer_flags(parser: argparse.ArgumentParser) -> None:
     """`--optimizer`, `--momentum`, `--weight-decay`, `--accumulate`, `--shard-optimizer` (see docs/optimizers.md)."""
-    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adamw"],
+    parser.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS,
                         help="optax optimizer on the full-batch mean gradient; sgd is the lesson's")
     parser.add_argument("--momentum", type=float, default=None,
                         help="--optimizer momentum: the trace's decay (default 0.9)")
@@ -76,7 +80,7 @@ def load_plugins(modules: list[str]) -> None:
         try:
             importlib.import_module(name)
         except ImportError as e:
-            raise ConfigError(f"`--plugin {name}` cannot be imported: {e}. Is it on PYTHONPATH?") from None
+            raise ConfigError(f"`plugin={name}` cannot be imported: {e}. Is it on PYTHONPATH?") from None
 
 
 def setup_devices(args: argparse.Namespace) -> list:
@@ -84,12 +88,20 @@ def setup_devices(args: argparse.Namespace) -> list:
     selects the devices (this is where JAX starts): with several processes, `--devices` of each."""
     from jdp.runtime import devices, distributed, xla_flags
 
+    for name in ("cpu_devices", "devices"):  # the library calls them `n` and `count`: named here as the flags
+        if getattr(args, name) is not None:
+            check_positive(name, getattr(args, name))
     xla_flags.enable(disabled=args.no_xla_flags)  # XLA reads its flags once, when the backend starts
     if args.cpu_devices is not None:
         devices.simulate_cpu_devices(args.cpu_devices)
     job = [getattr(args, name, None) for name in ("coordinator", "num_processes", "process_id")]
     distributed.initialize(*job)
-    return devices.select_devices(args.devices)
+    try:
+        return devices.select_devices(args.devices)
+    except DeviceError as e:  # `count=K` ... `simulate_cpu_devices(K)`: the flags that set them
+        k = args.devices
+        raise DeviceError(str(e).replace(f"`count={k}`", f"`devices={k}`")
+                          .replace(f"`simulate_cpu_devices({k})`", f"`cpu_devices={k}`")) from None
 
 
 def check_out_dir(out: str | None) -> Path | None:
@@ -104,7 +116,7 @@ def check_out_dir(out: str | None) -> Path | None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"`--out {out}` cannot be created: {e.strerror}.") from None
+        raise ConfigError(f"`out={out}` cannot be created: {e.strerror}.") from None
     if not os.access(path, os.W_OK):
-        raise ConfigError(f"`--out {out}` is not writable.")
+        raise ConfigError(f"`out={out}` is not writable.")
     return path

@@ -1,0 +1,146 @@
+"""`TrainConfig`: every setting of a training run, validated once, when it is made."""
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from jdp import models
+from jdp.errors import ConfigError, check_positive
+from jdp.models import Model, precision
+from jdp.parallel import compress as compress_lib
+from jdp.parallel.layout import check_backend, check_divisible
+from jdp.parallel.opt_state import OptState
+from jdp.parallel.step import check_strategy
+from jdp.parallel.strategy import Allreduce
+from jdp.training import optimizers
+from jdp.training.evaluate import EVAL_ON
+
+if TYPE_CHECKING:
+    import optax
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything that determines a training run (with the data and devices).
+
+    Made once and checked then: a bad field raises `ConfigError` naming it (`batch_size`, ...),
+    which the CLI reports as its flag (`--batch-size`). `dataclasses.replace` checks again.
+    """
+
+    batch_size: int = 256
+    lr: float = 0.2
+    epochs: int = 10
+    allreduce: str | Allreduce = "psum"  # a registered name (jdp.allreduce_names()) or your own strategy
+    fuse: bool = False  # allreduce the gradients raveled into few buffers instead of one per leaf
+    bucket_mb: float | None = None  # with `fuse`: largest bucket in MB; None: one buffer per dtype
+    seed: int = 0
+    eval_on: str = "all"  # "all": split evaluation over the devices; "device0": the lesson's way
+    warmup_steps: int = 0  # ramp the lr linearly from 0 over this many steps (Goyal et al. 2017)
+    model: str | Model = "lenet"  # a registered name (jdp.model_names()) or your own Model
+    model_impl: str = "fast"  # for model "lenet": a key of jdp.models.lenet_fast.IMPLEMENTATIONS; "reference" is the lesson's
+    batchnorm: str | None = None  # for models with BatchNorm: "sync" (default) or "per-replica" (jdp.models)
+    steps_per_call: int = 1  # train steps per compiled call (unrolled); > 1 needs a collective strategy
+    backend: str = "pmap"  # "pmap" or "shard_map": how the step is mapped over the devices (jdp.parallel.layout)
+    compress: str = "none"  # a mode of jdp.parallel.compress.MODES: none, bf16, fp16, bf16-wire, fp16-wire, powersgd
+    powersgd_rank: int | None = None  # with compress "powersgd": the rank of its factors; None: 1
+    optimizer: str = "sgd"  # "sgd" (the lesson's), "momentum" or "adamw" (jdp.training.optimizers)
+    momentum: float | None = None  # for "momentum": the trace's decay; None: 0.9
+    weight_decay: float | None = None  # sgd/momentum: L2 (None: none); adamw: decoupled (None: 1e-4)
+    accumulate: int = 1  # micro-batches per device per step, gradients summed before the one allreduce
+    shard_optimizer: bool = False  # ZeRO: optimizer state and reduced gradients split over the devices
+    precision: str = "float32"  # "bf16": bfloat16 forward/backward, float32 params, loss, gradients (jdp.models.precision)
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "epochs", "steps_per_call", "accumulate"):
+            check_positive(name, getattr(self, name))
+        if self.warmup_steps < 0:
+            raise ConfigError(f"`warmup_steps` must be >= 0, got {self.warmup_steps}.")
+        if not self.lr > 0:
+            raise ConfigError(f"`lr` must be positive, got {self.lr}.")
+        if self.eval_on not in EVAL_ON:
+            raise ConfigError(f"`eval_on` must be one of {', '.join(EVAL_ON)}, got `{self.eval_on}`.")
+        check_backend(self.backend)
+        model = self.build_model()
+        if model.per_replica_state and self.backend != "pmap":
+            raise ConfigError(
+                "`batchnorm=per-replica` keeps different statistics on each device, which `backend=shard_map` "
+                "cannot hold in its replicated `P()` layout. Use `backend=pmap` or `batchnorm=sync`."
+            )
+        self.build_optimizer()
+        if self.shard_optimizer and self.fuse:
+            raise ConfigError("`shard_optimizer=True` already ravels the gradients into one buffer per dtype; "
+                              "drop `fuse`/`bucket_mb`.")
+        check_strategy(self.strategy(), [], self.backend, self.shard_optimizer)
+
+    def build_optimizer(self) -> "optax.GradientTransformation":
+        """The optax optimizer of `optimizer`, `momentum`, `weight_decay`, on the lr schedule."""
+        return optimizers.make(self.optimizer, learning_rate(self), momentum=self.momentum,
+                               weight_decay=self.weight_decay)
+
+    def build_model(self) -> Model:
+        """`model` itself, or the registered model of that name built with `model_impl` and `batchnorm`;
+        computing in `precision`."""
+        if isinstance(self.model, Model) and self.batchnorm is not None:
+            raise ConfigError("`batchnorm` selects a built-in model's BatchNorm; your own `Model` defines its own.")
+        return precision.mixed(models.get(self.model, impl=self.model_impl, batchnorm=self.batchnorm), self.precision)
+
+    def strategy(self) -> Allreduce:
+        """The allreduce strategy, fused and compressed if asked."""
+        return compress_lib.get(self.allreduce, fuse=self.fuse, bucket_mb=self.bucket_mb, compress=self.compress,
+                                rank=self.powersgd_rank)
+
+    def opt_state(self, trainable: PyTree, device_count: int) -> OptState:
+        """How this run keeps its optimizer state for `trainable` params on `device_count` devices."""
+        return OptState(self.build_optimizer(), trainable, device_count, sharded=self.shard_optimizer,
+                        strategy=self.strategy())
+
+    def check_fits(self, train_images: int, device_count: int) -> None:
+        """Raises ConfigError if the batch cannot be split over the devices or exceeds the train set."""
+        check_divisible(self.batch_size, device_count)
+        if self.batch_size % (device_count * self.accumulate):
+            raise ConfigError(
+                f"`batch_size={self.batch_size}` does not split into {device_count} devices × `accumulate="
+                f"{self.accumulate}` equal micro-batches; use a multiple of {device_count * self.accumulate}."
+            )
+        if self.batch_size > train_images:
+            raise ConfigError(f"`batch_size={self.batch_size}` exceeds the {train_images} training images.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as JSON values: a `Model` or `Allreduce` object is recorded by its name."""
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return {**values, "model": _name(self.model), "allreduce": _name(self.allreduce)}
+
+
+def learning_rate(config: TrainConfig) -> "float | optax.Schedule":
+    """The constant lr, or a linear warmup from 0 to it over `warmup_steps` steps, then constant."""
+    if config.warmup_steps == 0:
+        return config.lr
+    import optax  # here, not at the top: `import jdp` stays light
+
+    return optax.linear_schedule(0.0, config.lr, config.warmup_steps)
+
+
+def payload_bytes(config: TrainConfig) -> int:
+    """Bytes each device hands to the allreduce per step: the gradients, or what `config.compress` sends instead."""
+    model = config.build_model()
+    grads = jax.eval_shape(lambda: models.trainable(model, model.init(jax.random.key(0))))
+    return compress_lib.payload_bytes(grads, config.compress, config.powersgd_rank)
+
+
+def checkpoint_target(config: TrainConfig, device_count: int = 1) -> PyTree:
+    """The structure, shapes and dtypes of the arrays `train` checkpoints, e.g. for `jdp.training.checkpoint.load`.
+
+    `device_count` matters only to a stateful strategy (PowerSGD), whose state is saved per device.
+    """
+    model = config.build_model()
+    params = model.init(jax.random.key(0))
+    trainable = models.trainable(model, params)
+    opt_state = config.opt_state(trainable, device_count).init(trainable, jax.random.key(0))
+    return {"params": params, "opt_state": opt_state, "data_key": jax.random.key_data(jax.random.key(0))}
+
+
+def _name(choice: str | Model | Allreduce) -> str:
+    return choice if isinstance(choice, str) else choice.name
