@@ -25,7 +25,8 @@ import optax
 
 from jdp import models
 from jdp.errors import ConfigError
-from jdp.parallel import collectives, strategy as strategy_lib
+from jdp.parallel import collectives
+from jdp.parallel import strategy as strategy_lib
 from jdp.parallel.layout import map_over_devices, replicate, sharded, split_batch
 from jdp.parallel.opt_state import init_sharded
 from jdp.parallel.step import make_train_step
@@ -325,7 +326,8 @@ def _check_halves(strategy: Allreduce, devices: tuple[jax.Device, ...], rng: np.
                 if not isinstance(got, jax.Array) or got.shape != shape or got.dtype != x.dtype:
                     raise AssertionError(
                         f"{where}: `{half}` returned {getattr(got, 'dtype', type(got).__name__)} of shape "
-                        f"{getattr(got, 'shape', '?')}, not {np.dtype(dtype).name} of shape {shape} (with the device axis)."
+                        f"{getattr(got, 'shape', '?')}, not {np.dtype(dtype).name} of shape {shape} "
+                        "(with the device axis)."
                     )
             slices = _held(mine, devices, f"{where}, `reduce_scatter`")
             for i, row in enumerate(slices):
@@ -385,8 +387,9 @@ def _check_training(strategy: Allreduce, devices: tuple[jax.Device, ...], steps:
             if wrong.any():
                 index = _first(wrong)
                 raise AssertionError(
-                    f"{_training(strategy, devices, step, shard_optimizer)}: param {name} differs from psum's (first at index "
-                    f"{index}: {_fmt(p[index])} vs {_fmt(w[index])}, {int(wrong.sum())} of {wrong.size} elements; "
+                    f"{_training(strategy, devices, step, shard_optimizer)}: param {name} differs from psum's "
+                    f"(first at index {index}: {_fmt(p[index])} vs {_fmt(w[index])}, {int(wrong.sum())} of "
+                    f"{wrong.size} elements; "
                     f"rtol {SGD_RTOL:g}, atol {SGD_ATOL:g})."
                 )
 
@@ -409,7 +412,10 @@ def _trajectory(strategy: Allreduce, devices: tuple[jax.Device, ...], steps: int
     try:
         step = make_train_step(model.loss, optimizer, strategy, list(devices), shard_optimizer=shard_optimizer)
         p = replicate(params, devices)
-        s = init_sharded(optimizer, params, list(devices)) if shard_optimizer else replicate(optimizer.init(params), devices)
+        if shard_optimizer:
+            s = init_sharded(optimizer, params, list(devices))
+        else:
+            s = replicate(optimizer.init(params), devices)
         for number in range(1, steps + 1):
             images = rng.standard_normal((batch, 1, 28, 28)).astype(np.float32)
             labels = rng.integers(0, 10, batch).astype(np.int32)

@@ -107,8 +107,9 @@ class OptState:
         optimizer_state, strategy_state = self.split(fetch(state, self.kind, backend))
         if self.sharded:  # the slices joined and the padding cut; one copy of each other leaf
             shapes = [leaf.shape for leaf in self._leaf_shapes(self._flat.sizes)]
-            leaves = [rows.reshape(-1)[: math.prod(shape)].reshape(shape) if sliced else rows[0]
-                      for rows, sliced, shape in zip(jax.tree.leaves(optimizer_state), self._sliced, shapes, strict=True)]
+            rows = jax.tree.leaves(optimizer_state)
+            leaves = [row.reshape(-1)[: math.prod(shape)].reshape(shape) if sliced else row[0]
+                      for row, sliced, shape in zip(rows, self._sliced, shapes, strict=True)]
             optimizer_state = jax.tree.unflatten(jax.tree.structure(optimizer_state), leaves)
         return self.join(optimizer_state, strategy_state)
 
