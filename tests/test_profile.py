@@ -74,6 +74,22 @@ def test_train_cli_prints_the_breakdown(tmp_path, capsys):
     assert "https://ui.perfetto.dev" in out and f"tensorboard --logdir {tmp_path}" in out
 
 
+def test_the_default_window_fits_any_run():
+    assert profile.default_window(100) == (3, 12)
+    assert profile.default_window(8) == (3, 8)  # `jdp train --dataset synthetic --epochs 1`
+    assert profile.default_window(2) == (2, 2)
+    for total in range(1, 30):
+        first, last = profile.default_window(total)
+        profile.check_window(first, last, total)  # never refused
+
+
+@pytest.mark.slow
+def test_train_cli_profiles_a_short_run_without_profile_steps(tmp_path, capsys):
+    assert jdp_main(["train", "--devices", "2", "--dataset", "synthetic", "--epochs", "1", "--no-progress",
+                     "--profile", str(tmp_path)]) == 0
+    assert "profile of steps 3-8: " in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_bench_step_has_a_breakdown_column(capsys):
     assert jdp_main(["bench", "step", "--devices", "2", "--batch-size", "8", "--steps", "2", "--repeats", "1",

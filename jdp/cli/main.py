@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--profile", default=None, metavar="DIR",
                        help="write a jax.profiler trace of --profile-steps to DIR (Perfetto, TensorBoard) and print "
                        "where each step's time goes: compute, communication, host")
-    train.add_argument("--profile-steps", default="3:12", metavar="A:B",
-                       help="with --profile: the steps to trace, counted from 1 (the first steps compile)")
+    train.add_argument("--profile-steps", default=None, metavar="A:B",
+                       help="with --profile: the steps to trace, counted from 1 (default: 3:12, cut to the run's "
+                       "length; the first steps compile)")
     add_backend_flag(train)
     add_optimizer_flags(train)
     train.add_argument("--coordinator", default=None, metavar="HOST:PORT",
@@ -134,16 +135,17 @@ def run_train(args: argparse.Namespace) -> int:
     from jdp.training import checkpoint
     from jdp.training.config import TrainConfig, payload_bytes
     from jdp.training.loop import train
-    from jdp.training.profile import Profiler, parse_steps
+    from jdp.training.profile import Profiler, default_window, parse_steps
 
     load_plugins(args.plugin)
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     out = check_out_dir(args.out)
     checkpoint.check_options(args.checkpoint_dir, args.checkpoint_every, args.resume)
-    first, last = parse_steps(args.profile_steps)
+    window = None if args.profile_steps is None else parse_steps(args.profile_steps)
     devices = setup_devices(args)
     dataset = data.load(args.dataset, args.data_dir, seed=args.seed)
+    first, last = window or default_window(len(dataset.train.labels) // config.batch_size * config.epochs)
     profiler = None if args.profile is None else Profiler(args.profile, first, last, len(devices),
                                                           config.strategy().where)
 

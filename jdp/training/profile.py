@@ -56,6 +56,15 @@ class Breakdown(NamedTuple):
                 f"{self.source})")
 
 
+DEFAULT_WINDOW = (3, 12)  # steps traced without `profile_steps`: past the first steps, which compile
+
+
+def default_window(total_steps: int) -> tuple[int, int]:
+    """`DEFAULT_WINDOW` cut to a run of `total_steps` steps: a window that always fits."""
+    first, last = DEFAULT_WINDOW
+    return min(first, total_steps), min(last, total_steps)
+
+
 def parse_steps(text: str) -> tuple[int, int]:
     """`profile_steps` "A:B" (the CLI's `--profile-steps A:B`) → (A, B), 1 ≤ A ≤ B.
 
