@@ -66,8 +66,8 @@ def add_optimizer_flags(parser: argparse.ArgumentParser) -> None:
                         "one update (the math of the whole batch, the activation memory of 1/N of it)")
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="ZeRO-2: reduce-scatter the gradients, each device updates its 1/k slice with its "
-                        "1/k of the optimizer state, all-gather the params (--allreduce psum, ring, manual, "
-                        "manual_ring)")
+                        "1/k of the optimizer state, all-gather the params (any --allreduce with those halves: "
+                        "psum, ring, manual, manual_ring, or a plugin's)")
 
 
 def load_plugins(modules: list[str]) -> None:
