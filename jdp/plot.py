@@ -84,16 +84,29 @@ def busbw_vs_size(rows: Sequence[dict], title: str = "") -> Figure:
 
 
 def runs_per_epoch(test_acc: dict[str, Sequence[float]], train_loss: dict[str, Sequence[float]],
-                   title: str = "") -> Figure:
-    """Several runs side by side: test accuracy (left) and train loss (right) per epoch, one line per run."""
-    figure = Figure(figsize=(10, 3.8))
-    left, right = figure.subplots(1, 2)
+                   title: str = "", bytes_sent: dict[str, Sequence[float]] | None = None) -> Figure:
+    """Several runs side by side: test accuracy (left) and train loss (right) per epoch, one line per run;
+    with `bytes_sent` (per run, each epoch's bytes sent per device so far), test accuracy against them too."""
+    panels = 2 + (bytes_sent is not None)
+    figure = Figure(figsize=(5 * panels, 3.8))
+    axes = figure.subplots(1, panels)
+    left, right = axes[0], axes[-1]
     for ax, series, ylabel in ((left, test_acc, "test accuracy"), (right, train_loss, "train loss")):
         for label, ys in series.items():
             ax.plot(range(1, len(ys) + 1), ys, marker="o", markersize=3, label=label)
         ax.set_xlabel("epoch")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3, which="both")
+    if bytes_sent is not None:
+        middle = axes[1]
+        for color, label in enumerate(test_acc):
+            if bytes_sent.get(label) is not None:
+                middle.plot([b / 2**20 for b in bytes_sent[label]], test_acc[label], marker="o", markersize=3,
+                            color=f"C{color}", label=label)
+        middle.set_xscale("log")
+        middle.set_xlabel("MB sent per device")
+        middle.set_ylabel("test accuracy")
+        middle.grid(alpha=0.3, which="both")
     right.set_yscale("log")
     left.legend(fontsize=8)
     if title:

@@ -162,13 +162,16 @@ FLAGS = ["--dataset", "synthetic", "--epochs", "2", "--batch-size", "32", "--lr"
 
 
 def final_state(directory, config=TrainConfig(lr=0.1)):
-    return checkpoint.restore_latest(directory, checkpoint_target(config))
+    return checkpoint.restore_latest(directory, checkpoint_target(config, device_count=2))
 
 
 # The lesson's SGD, and AdamW with its state sharded over the devices (ZeRO: the checkpoint holds it gathered).
 SHARDED_ADAMW = ["--optimizer", "adamw", "--lr", "0.001", "--shard-optimizer"]
+# DiLoCo with H = 5: killed after a checkpoint at a multiple of 3, mostly mid-interval (devices' params differ).
+DILOCO = ["--sync", "diloco", "--sync-every", "5"]
 RUNS = {"sgd": ([], TrainConfig(lr=0.1)),
-        "sharded-adamw": (SHARDED_ADAMW, TrainConfig(lr=0.001, optimizer="adamw", shard_optimizer=True))}
+        "sharded-adamw": (SHARDED_ADAMW, TrainConfig(lr=0.001, optimizer="adamw", shard_optimizer=True)),
+        "diloco": (DILOCO, TrainConfig(lr=0.1, sync="diloco", sync_every=5))}
 
 
 @pytest.mark.slow

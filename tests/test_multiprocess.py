@@ -147,11 +147,13 @@ DRIVER = textwrap.dedent("""
 # AdamW divides by each gradient's magnitude, so where a gradient is near 0 the order of the cross-process sums shows:
 # the float tolerance of tests/test_zero.py (measured: 9 of 25,000 elements differ by > 1e-6 relative, at most 2e-8).
 ZERO = {"optimizer": "adamw", "lr": 1e-3, "accumulate": 2, "shard_optimizer": True}
+# DiLoCo across processes: per-device params and momentum between syncs, θ and the outer momentum synced every 3 steps.
+DILOCO = {"sync": "diloco", "sync_every": 3, "optimizer": "momentum", "lr": 0.05}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("extra", "rtol", "atol"), [({}, 1e-6, 1e-9), (ZERO, 1e-5, 1e-6)],
-                         ids=["sgd", "sharded-adamw-accumulate"])
+@pytest.mark.parametrize(("extra", "rtol", "atol"), [({}, 1e-6, 1e-9), (ZERO, 1e-5, 1e-6), (DILOCO, 1e-5, 1e-6)],
+                         ids=["sgd", "sharded-adamw-accumulate", "diloco"])
 def test_two_processes_end_with_the_params_of_one_process_with_all_devices(extra, rtol, atol, devices, tmp_path):
     """Both backends: 2 processes x 2 devices vs 1 process x 4 devices, the same global batches."""
     config = {**CONFIG, **extra}

@@ -5,7 +5,9 @@ on the devices exactly as `jdp.train` builds them: the params replicated (`jdp.r
 optimizer state replicated or sharded (`jdp.parallel.opt_state.init_sharded`), and the reduced gradients
 as the reduction leaves them (`lax.psum` of every leaf, or `psum_scatter` of the flat buffers).
 Bytes per device are read off the arrays: the `nbytes` of each addressable shard on that device,
-summed; the largest device is reported. Nothing is computed from a formula.
+summed; the largest device is reported. Nothing is computed from a formula. Beside them, the
+optimizer state of DiLoCo (`--sync diloco`): each device's own inner state, plus the global params θ
+and the outer Nesterov momentum, replicated (`jdp.parallel.opt_state.OptState`, placed as `train` does).
 
 Step time, sharded vs replicated, is measured in the same run for the models of `--time-models`
 (interleaved repeats, median), as a ratio: on a shared machine only ratios from one run compare.
@@ -26,11 +28,12 @@ from jdp import data, models
 from jdp.bench.machine import machine, where
 from jdp.errors import ConfigError, check_positive
 from jdp.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
+from jdp.parallel import sync
 from jdp.parallel.buckets import plan
 from jdp.parallel.collectives import psum_scatter
 from jdp.parallel.inflight import repeat_step
 from jdp.parallel.layout import map_over_devices, replicate, split_batch
-from jdp.parallel.opt_state import init_sharded
+from jdp.parallel.opt_state import OptState, init_sharded
 from jdp.parallel.step import make_train_step
 from jdp.runtime.devices import AXIS
 from jdp.training import optimizers
@@ -85,6 +88,15 @@ def held_arrays(model: models.Model, variables: Any, optimizer_name: str, device
     return {"params": replicate(variables, devices), "grads": reduced, "opt_state": state}
 
 
+def diloco_opt_state(model: models.Model, variables: Any, optimizer_name: str, devices: Sequence[jax.Device]) -> Any:
+    """DiLoCo's optimizer state on `devices`: the inner state per device, θ and the outer momentum replicated."""
+    params = models.trainable(model, variables)
+    diloco = sync.from_settings("diloco", None)
+    opt = OptState(optimizers.make(optimizer_name, 1e-3), params, len(devices), local=True,
+                   outer_optimizer=diloco.outer)
+    return opt.place(opt.init(params, jax.random.key(0)), list(devices), "pmap")
+
+
 def step_seconds(model: models.Model, variables: Any, optimizer_name: str, devices: Sequence[jax.Device],
                  batch_size: int, steps: int, repeats: int) -> dict[str, list[float]]:
     """Seconds per step of the replicated and the sharded step, their repeats interleaved."""
@@ -124,9 +136,12 @@ def bench_memory(devices: Sequence[jax.Device], model_names: Sequence[str], opti
                     arrays = held_arrays(model, variables, optimizer_name, devices[:k], mode == "sharded")
                     held = {part: bytes_per_device(tree, devices[:k]) for part, tree in arrays.items()}
                     samples = timed.get(mode)
+                    diloco = (bytes_per_device(diloco_opt_state(model, variables, optimizer_name, devices[:k]),
+                                               devices[:k]) if mode == "replicated" else None)
                     rows.append({"model": model_name, "optimizer": optimizer_name, "k": k, "mode": mode,
                                  "params_bytes": held["params"], "grads_bytes": held["grads"],
                                  "opt_state_bytes": held["opt_state"], "total_bytes": sum(held.values()),
+                                 "diloco_opt_state_bytes": diloco,
                                  "ms_per_step": statistics.median(samples) * 1e3 if samples else None,
                                  "samples_ms": [s * 1e3 for s in samples] if samples else None})
                     del arrays
@@ -156,8 +171,9 @@ def format_table(rows: Sequence[dict[str, Any]], header: str) -> str:
     """A Markdown table: one line per (model, optimizer, k), replicated and sharded side by side."""
     lines = [f"{header}", "",
              "| model | optimizer | k | params MiB | grads MiB repl / shard | opt state MiB repl / shard | opt state "
-             "shard÷repl | total MiB repl / shard | ms/step repl / shard | time shard÷repl |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "shard÷repl | total MiB repl / shard | ms/step repl / shard | time shard÷repl | opt state MiB "
+             "`--sync diloco` |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     by = {(r["model"], r["optimizer"], r["k"], r["mode"]): r for r in rows}
     for ratio in ratios(rows):
         rep, sh = (by[(ratio["model"], ratio["optimizer"], ratio["k"], m)] for m in MODES)
@@ -167,7 +183,7 @@ def format_table(rows: Sequence[dict[str, Any]], header: str) -> str:
         lines.append(f"| {ratio['model']} | {ratio['optimizer']} | {ratio['k']} | {_mb(rep['params_bytes'])} | "
                      f"{_mb(rep['grads_bytes'])} / {_mb(sh['grads_bytes'])} | {_mb(rep['opt_state_bytes'])} / "
                      f"{_mb(sh['opt_state_bytes'])} | {state} | {_mb(rep['total_bytes'])} / {_mb(sh['total_bytes'])} | "
-                     f"{ms} | {time_ratio} |")
+                     f"{ms} | {time_ratio} | {_mb(rep['diloco_opt_state_bytes'])} |")
     return "\n".join(lines)
 
 

@@ -23,8 +23,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "compare", help="put several runs' history.json side by side: one figure, one markdown table",
         description="Read RUN_DIR/history.json of each run (written by `jdp train --out RUN_DIR`) and write "
-        "compare.png (test accuracy and train loss per epoch, one curve per run) and compare.md, labelling each "
-        "run by the settings in which the runs differ.",
+        "compare.png (test accuracy and train loss per epoch, and test accuracy against the MB each device sent; "
+        "one curve per run) and compare.md, labelling each run by the settings in which the runs differ.",
     )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="directories written by `jdp train --out`")
     p.add_argument("--out", default=".", metavar="DIR", help="where to write compare.png and compare.md")
@@ -62,16 +62,26 @@ def labels(records: dict[str, dict[str, Any]]) -> dict[str, str]:
 
 
 def table(records: dict[str, dict[str, Any]], names: dict[str, str]) -> str:
-    """A markdown table: final and best test accuracy, final train loss, s/epoch, bytes per step if recorded."""
-    rows = ["| run | epochs | final test acc | best test acc | final train loss | s/epoch | allreduce bytes/step |",
-            "|---|---|---|---|---|---|---|"]
+    """A markdown table: final and best test accuracy, final train loss, s/epoch, bytes per step (averaged
+    over the run: a local sync mode sends once per H steps) and in all, if recorded."""
+    rows = [("| run | epochs | final test acc | best test acc | final train loss | s/epoch | allreduce bytes/step "
+             "| MB sent per device |"), "|---|---|---|---|---|---|---|---|"]
     for run, record in records.items():
         epochs = record["epochs"]
-        sent = record.get("allreduce_payload_bytes")
+        per_step = record.get("bytes_per_step", record.get("allreduce_payload_bytes"))
+        total = bytes_sent(record)
         rows.append(f"| {names[run]} | {len(epochs)} | {epochs[-1]['test_acc']:.4f} | "
                     f"{max(e['test_acc'] for e in epochs):.4f} | {epochs[-1]['train_loss']:.4f} | "
-                    f"{sum(e['seconds'] for e in epochs) / len(epochs):.1f} | {'' if sent is None else sent} |")
+                    f"{sum(e['seconds'] for e in epochs) / len(epochs):.1f} | "
+                    f"{'' if per_step is None else f'{per_step:.0f}'} | "
+                    f"{'' if total is None else f'{total[-1] / 2**20:.1f}'} |")
     return "\n".join(rows) + "\n"
+
+
+def bytes_sent(record: dict[str, Any]) -> list[float] | None:
+    """Bytes each device sent by the end of each epoch, or None for a history from before they were recorded."""
+    sent = [e.get("bytes_sent") for e in record["epochs"]]
+    return None if None in sent else sent
 
 
 def compare(run_dirs: Sequence[str | Path]) -> tuple[Any, str]:
@@ -80,10 +90,12 @@ def compare(run_dirs: Sequence[str | Path]) -> tuple[Any, str]:
 
     records = {str(run): load(run) for run in run_dirs}
     names = labels(records)
+    sent = {names[r]: bytes_sent(rec) for r, rec in records.items()}
     figure = plot.runs_per_epoch(
         {names[r]: [e["test_acc"] for e in rec["epochs"]] for r, rec in records.items()},
         {names[r]: [e["train_loss"] for e in rec["epochs"]] for r, rec in records.items()},
         title=f"{len(records)} runs; labelled by the settings that differ",
+        bytes_sent=sent if any(v is not None for v in sent.values()) else None,
     )
     return figure, table(records, names)
 

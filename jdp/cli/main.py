@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     from jdp.models import BATCHNORM
     from jdp.models.lenet_fast import IMPLEMENTATIONS
     from jdp.models.precision import PRECISIONS
+    from jdp.parallel.sync import DEFAULT_EVERY, DILOCO_OUTER, OUTER_OPTIMIZERS, SYNC_MODES
     from jdp.training.evaluate import EVAL_ON
 
     train = commands.add_parser(
@@ -94,6 +95,23 @@ def build_parser() -> argparse.ArgumentParser:
                        "length; the first steps compile)")
     add_backend_flag(train)
     add_optimizer_flags(train)
+    sync = train.add_argument_group("when the replicas meet (docs/sync.md)")
+    sync.add_argument("--sync", default="every-step", choices=SYNC_MODES,
+                      help="every-step: allreduce the gradients every step (the lesson's); local-sgd: each device "
+                      "steps alone, params averaged every --sync-every steps; diloco: the same, the averaged "
+                      "parameter change fed to an outer Nesterov optimizer")
+    sync.add_argument("--sync-every", type=int, default=None, metavar="H",
+                      help=f"local-sgd/diloco: steps between syncs (default {DEFAULT_EVERY})")
+    sync.add_argument("--outer-optimizer", default=None, choices=OUTER_OPTIMIZERS,
+                      help="diloco: the outer optimizer on the averaged parameter change (default nesterov)")
+    sync.add_argument("--outer-lr", type=float, default=None,
+                      help=f"diloco: the outer lr (default {DILOCO_OUTER['lr']}, Douillard et al. 2023)")
+    sync.add_argument("--outer-momentum", type=float, default=None,
+                      help=f"diloco: the outer momentum (default {DILOCO_OUTER['momentum']} with nesterov, none "
+                      "with sgd)")
+    sync.add_argument("--simulate-straggler", default=None, metavar="PROCESS:SECONDS[:EVERY]",
+                      help="multi-process: process PROCESS sleeps SECONDS before every EVERY-th step (default every "
+                      "step); every process times its steps and syncs, and the run reports them per process")
     train.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                        help="multi-process: address of process 0's coordination service (with --num-processes "
                        "and --process-id; none of the three inside a SLURM/MPI job: detected)")
@@ -136,6 +154,7 @@ def run_train(args: argparse.Namespace) -> int:
     from jdp.training.config import TrainConfig, payload_bytes
     from jdp.training.loop import train
     from jdp.training.profile import Profiler, default_window, parse_steps
+    from jdp.training.stragglers import Stopwatch, Straggler, format_report
 
     load_plugins(args.plugin)
 
@@ -143,6 +162,7 @@ def run_train(args: argparse.Namespace) -> int:
     out = check_out_dir(args.out)
     checkpoint.check_options(args.checkpoint_dir, args.checkpoint_every, args.resume)
     window = None if args.profile_steps is None else parse_steps(args.profile_steps)
+    stopwatch = None if args.simulate_straggler is None else Stopwatch(Straggler.parse(args.simulate_straggler))
     devices = setup_devices(args)
     dataset = data.load(args.dataset, args.data_dir, seed=args.seed)
     first, last = window or default_window(len(dataset.train.labels) // config.batch_size * config.epochs)
@@ -161,7 +181,10 @@ def run_train(args: argparse.Namespace) -> int:
 
     _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                       resume=args.resume, check_replicas=args.check_replicas, profile=profiler)
+                       resume=args.resume, check_replicas=args.check_replicas, profile=profiler, stopwatch=stopwatch)
+    stragglers = None if stopwatch is None else stopwatch.report()  # a collective: before process 0 alone writes
+    if stragglers is not None and jax.process_index() == 0:
+        print(format_report(stragglers), flush=True)
     test_acc = [r.test_acc for r in history]
     sec_per_epoch = sum(r.seconds for r in history) / len(history)
     print(f"test acc: {test_acc[-1]:.2f}, {sec_per_epoch:.1f} sec/epoch on [{', '.join(describe(devices))}]")
@@ -171,12 +194,17 @@ def run_train(args: argparse.Namespace) -> int:
               f"trace: {profiler.trace} ({size:.1f} MB): open it at https://ui.perfetto.dev, or run "
               f"`tensorboard --logdir {args.profile}` (Profile tab)")
     if out is not None and jax.process_index() == 0:  # one writer per multi-process job
+        payload, steps = payload_bytes(config), len(dataset.train.labels) // config.batch_size * len(history)
         record = {
             "config": {k: v for k, v in vars(args).items() if k not in ("run", "command")},
             "devices": describe(devices),
             "jax_version": jax.__version__,
-            "epochs": [dataclasses.asdict(r) for r in history],
-            "allreduce_payload_bytes": payload_bytes(config),  # per device per step, what crosses devices
+            "epochs": [{**dataclasses.asdict(r), "bytes_sent": None if r.syncs is None else r.syncs * payload}
+                       for r in history],  # bytes_sent: by each device, since the run began
+            "allreduce_payload_bytes": payload,  # per device per allreduce: every step, or every sync
+            "bytes_per_sync": payload,
+            "bytes_per_step": None if history[-1].syncs is None else history[-1].syncs * payload / steps,
+            **({} if stragglers is None else {"stragglers": stragglers}),
         }
         (out / "history.json").write_text(json.dumps(record, indent=2) + "\n")
         title = f"{args.model}, {args.allreduce}, {len(devices)} device(s), batch {args.batch_size}, lr {args.lr}"

@@ -237,3 +237,10 @@ def to_host(x: jax.Array) -> np.ndarray:
     if jax.process_count() == 1:
         return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def per_process(x: np.ndarray) -> np.ndarray:
+    """Every process's `x` (same shape everywhere), stacked in process order: (P, ...) (a collective)."""
+    if jax.process_count() == 1:
+        return np.asarray(x)[None]
+    return np.asarray(multihost_utils.process_allgather(x))

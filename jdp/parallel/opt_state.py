@@ -5,7 +5,10 @@
   per dtype (`jdp.parallel.buckets.Flat`), device i holding slice i of every per-element leaf
   (AdamW's moments) and a copy of every other leaf (AdamW's step count);
 * with per-device strategy state (a stateful `Allreduce`, e.g. PowerSGD's error feedback):
-  `{"optimizer": <replicated state>, "allreduce": <one state per device>}`.
+  `{"optimizer": <replicated state>, "allreduce": <one state per device>}`;
+* local (`jdp.parallel.sync`: local SGD, DiLoCo): one optimizer state per device, each device's own,
+  and for DiLoCo an "outer" part, replicated: the global params θ and the outer optimizer's state,
+  `{"optimizer": <per device>, "outer": {"params": θ, "optimizer": <outer state>}}`.
 
 `OptState` is the one place that knows them: the train step splits and joins the state through
 it, the loop places it on the devices, checkpoints store its host form, and the replica check
@@ -42,6 +45,8 @@ class OptState:
       device_count: k, the devices the state is placed on.
       sharded: ZeRO: each device holds 1/k of the per-element state.
       strategy: the allreduce strategy; a stateful one keeps its per-device state here too.
+      local: a local sync mode (`jdp.parallel.sync`): each device keeps its own optimizer state.
+      outer_optimizer: DiLoCo's outer optimizer, whose state and θ the state holds too; None: none.
     """
 
     optimizer: "optax.GradientTransformation"
@@ -49,6 +54,8 @@ class OptState:
     device_count: int
     sharded: bool = False
     strategy: Allreduce | None = None
+    local: bool = False
+    outer_optimizer: "optax.GradientTransformation | None" = None
 
     @property
     def per_device_strategy_state(self) -> bool:
@@ -56,28 +63,39 @@ class OptState:
         return self.strategy is not None and self.strategy.stateful
 
     @property
+    def has_outer(self) -> bool:
+        """Whether the state holds DiLoCo's outer part (θ and the outer optimizer's state)."""
+        return self.outer_optimizer is not None
+
+    @property
     def optimizer_kind(self) -> Kinds:
         """The placement kind of the optimizer's part (`jdp.parallel.layout`)."""
-        return "per_device" if self.sharded else "replicated"
+        return "per_device" if self.sharded or self.local else "replicated"
 
     @property
     def kind(self) -> Kinds:
         """The placement kinds of the whole state, a pytree prefix of it."""
-        if self.per_device_strategy_state:
-            return {"optimizer": self.optimizer_kind, "allreduce": "per_device"}
-        return self.optimizer_kind
+        if not (self.per_device_strategy_state or self.has_outer):
+            return self.optimizer_kind
+        return self.join(self.optimizer_kind, "per_device", "replicated")
 
     def split(self, state: PyTree) -> tuple[PyTree, PyTree]:
         """(the optimizer's part, the strategy's per-device part or None); on the devices or in a step."""
-        if self.per_device_strategy_state:
-            return state["optimizer"], state["allreduce"]
+        if self.per_device_strategy_state or self.has_outer:
+            return state["optimizer"], state.get("allreduce")
         return state, None
 
-    def join(self, optimizer_state: PyTree, strategy_state: PyTree) -> PyTree:
-        """The inverse of `split`."""
-        if self.per_device_strategy_state:
-            return {"optimizer": optimizer_state, "allreduce": strategy_state}
-        return optimizer_state
+    def outer(self, state: PyTree) -> PyTree:
+        """DiLoCo's outer part, {"params": θ, "optimizer": the outer optimizer's state}, or None."""
+        return state["outer"] if self.has_outer else None
+
+    def join(self, optimizer_state: PyTree, strategy_state: PyTree, outer: PyTree = None) -> PyTree:
+        """The inverse of `split` (and `outer`)."""
+        if not (self.per_device_strategy_state or self.has_outer):
+            return optimizer_state
+        return {"optimizer": optimizer_state,
+                **({"allreduce": strategy_state} if self.per_device_strategy_state else {}),
+                **({"outer": outer} if self.has_outer else {})}
 
     def init(self, params: PyTree, key: jax.Array) -> PyTree:
         """The state before step 1, in its host form (what checkpoints hold).
@@ -86,36 +104,45 @@ class OptState:
           params: the trainable params' values.
           key: seeds a stateful strategy's state (the same on every device at first).
         """
+        k = self.device_count
         optimizer_state = self.optimizer.init(plan(params, 1).flatten(params) if self.sharded else params)
-        if not self.per_device_strategy_state:
-            return optimizer_state
-        one = jax.device_get(self.strategy.init(key, params))  # the same on every device at first
-        return self.join(optimizer_state, jax.tree.map(lambda x: _copies(x, self.device_count), one))
+        if self.local:  # every device starts from the same state, then keeps its own
+            optimizer_state = jax.tree.map(lambda x: _copies(x, k), optimizer_state)
+        strategy_state = None
+        if self.per_device_strategy_state:
+            one = jax.device_get(self.strategy.init(key, params))  # the same on every device at first
+            strategy_state = jax.tree.map(lambda x: _copies(x, k), one)
+        outer = {"params": params, "optimizer": self.outer_optimizer.init(params)} if self.has_outer else None
+        return self.join(optimizer_state, strategy_state, outer)
 
     def place(self, host: PyTree, devices: list[jax.Device], backend: Backend) -> PyTree:
         """The host form → on `devices`, in the layout of `backend`."""
-        optimizer_state, strategy_state = self.split(host)
+        (optimizer_state, strategy_state), outer = self.split(host), self.outer(host)
         if self.sharded:  # a row per device: slice i of each per-element leaf, a copy of each other leaf
             k = self.device_count
             rows = [_slices(leaf, k) if sliced else _copies(leaf, k)
                     for leaf, sliced in zip(jax.tree.leaves(optimizer_state), self._sliced, strict=True)]
             optimizer_state = jax.tree.unflatten(jax.tree.structure(optimizer_state), rows)
-        return place(self.join(optimizer_state, strategy_state), self.kind, devices, backend)
+        return place(self.join(optimizer_state, strategy_state, outer), self.kind, devices, backend)
 
     def to_host(self, state: PyTree, backend: Backend) -> PyTree:
         """The inverse of `place`: the host form (a collective with several processes)."""
-        optimizer_state, strategy_state = self.split(fetch(state, self.kind, backend))
+        host = fetch(state, self.kind, backend)
+        (optimizer_state, strategy_state), outer = self.split(host), self.outer(host)
         if self.sharded:  # the slices joined and the padding cut; one copy of each other leaf
             shapes = [leaf.shape for leaf in self._leaf_shapes(self._flat.sizes)]
             rows = jax.tree.leaves(optimizer_state)
             leaves = [row.reshape(-1)[: math.prod(shape)].reshape(shape) if sliced else row[0]
                       for row, sliced, shape in zip(rows, self._sliced, shapes, strict=True)]
             optimizer_state = jax.tree.unflatten(jax.tree.structure(optimizer_state), leaves)
-        return self.join(optimizer_state, strategy_state)
+        return self.join(optimizer_state, strategy_state, outer)
 
     def replicated_part(self, state: PyTree) -> PyTree:
-        """The leaves every device must hold identically (what the replica check compares)."""
+        """The leaves every device must hold identically (what the replica check compares): a local
+        mode's devices each keep their own optimizer state, DiLoCo's outer part is the same everywhere."""
         optimizer_state, _ = self.split(state)
+        if self.local:
+            return self.outer(state)
         if not self.sharded:
             return optimizer_state
         return [leaf for leaf, sliced in zip(jax.tree.leaves(optimizer_state), self._sliced, strict=True)

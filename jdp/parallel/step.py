@@ -5,7 +5,8 @@ the gradients (sum over devices), divide by the FULL batch size, one optax updat
 applies the same update to the same params, so the replicas stay identical. With the optimizer
 sharded (ZeRO, Rajbhandari et al. 2020), the allreduce is split into its halves and the update
 runs between them on each device's 1/k slice. `jdp.parallel.layout.map_over_devices` maps the
-per-device program with either backend; an "outside" strategy runs between mapped calls.
+per-device program with either backend; an "outside" strategy runs between mapped calls. Under a
+local sync mode (`jdp.parallel.sync`) each device steps alone, on its own params, until they meet.
 """
 
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from jdp.parallel.buckets import plan
 from jdp.parallel.layout import Backend, check_backend, map_over_devices
 from jdp.parallel.opt_state import OptState
 from jdp.parallel.strategy import Allreduce
+from jdp.parallel.sync import Sync
 from jdp.runtime.devices import AXIS
 
 if TYPE_CHECKING:
@@ -46,6 +48,7 @@ def make_train_step(
     segment: Segment = lambda name, fn: fn,
     accumulate: int = 1,
     shard_optimizer: bool = False,
+    sync: Sync | None = None,
 ) -> TrainStep:
     """Builds the data-parallel train step, mapped once over `devices` by `backend`.
 
@@ -73,6 +76,9 @@ def make_train_step(
       shard_optimizer: ZeRO: reduce-scatter the gradients with the strategy's first half, update
         each device's 1/k slice with its 1/k of the optimizer state, all-gather the params with the
         second half. The strategy must have halves (`Allreduce.has_halves`).
+      sync: a local mode (`jdp.parallel.sync`): no allreduce in the step; each device updates its own
+        params (`per_device`) with the mean gradient of its own shard and its own optimizer state,
+        and `jdp.parallel.sync.make_sync` makes them meet. None or every-step: the step above.
 
     The optimizer state is that of `jdp.parallel.opt_state.OptState`: replicated, sharded, or with
     a stateful strategy's per-device state beside the optimizer's (`pmap` only).
@@ -92,8 +98,13 @@ def make_train_step(
     check_positive("accumulate", accumulate)
     strategy = allreduce_lib.get(allreduce)
     check_strategy(strategy, devices, backend, shard_optimizer)
+    local = sync is not None and sync.local
+    if local and shard_optimizer:
+        raise ConfigError(f"`sync={sync.mode}` keeps different params on each device; `shard_optimizer=True` "
+                          "needs them identical. Drop one of them.")
     k = len(devices)
-    opt = OptState(optimizer, None, k, sharded=shard_optimizer, strategy=strategy)
+    opt = OptState(optimizer, None, k, sharded=shard_optimizer, strategy=strategy, local=local,
+                   outer_optimizer=sync.outer if local else None)
 
     def params_of(variables):
         return variables["params"] if stateful else variables
@@ -114,10 +125,21 @@ def make_train_step(
             return accumulate_grads(micro_grads, variables, images, labels, accumulate, stateful=stateful)
         return micro_grads(variables, images, labels)
 
-    def apply(params, optimizer_state, grad_sums, local_batch):
-        grads = jax.tree.map(lambda g: g / (local_batch * k), grad_sums)  # divide by the FULL batch
+    def apply(params, optimizer_state, grad_sums, local_batch, devices_summed=k):
+        grads = jax.tree.map(lambda g: g / (local_batch * devices_summed), grad_sums)  # divide by the batch summed
         updates, optimizer_state = optimizer.update(grads, optimizer_state, params)
         return optax.apply_updates(params, updates), optimizer_state
+
+    if local:
+
+        def own_step(variables, opt_state, images, labels):
+            optimizer_state, kept = opt.split(opt_state)
+            loss, grads, state = local_grads(variables, images, labels)
+            params, optimizer_state = apply(params_of(variables), optimizer_state, grads, images.shape[0], 1)
+            return with_params(variables, params, state), opt.join(optimizer_state, kept, opt.outer(opt_state)), loss
+
+        return map_over_devices(own_step, devices, backend, ("per_device", opt.kind, "batch", "batch"),
+                                ("per_device", opt.kind, "per_device"), donate=(0, 1))
 
     if shard_optimizer:
         return _sharded_step(strategy, opt, local_grads, apply, params_of, with_params, devices, backend, segment)

@@ -4,6 +4,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
 from jdp import models
 from jdp.errors import ConfigError, check_positive
@@ -13,6 +14,7 @@ from jdp.parallel.layout import check_backend, check_divisible
 from jdp.parallel.opt_state import OptState
 from jdp.parallel.step import check_strategy
 from jdp.parallel.strategy import Allreduce
+from jdp.parallel import sync as sync_lib
 from jdp.training import optimizers
 from jdp.training.evaluate import EVAL_ON
 
@@ -52,6 +54,11 @@ class TrainConfig:
     accumulate: int = 1  # micro-batches per device per step, gradients summed before the one allreduce
     shard_optimizer: bool = False  # ZeRO: optimizer state and reduced gradients split over the devices
     precision: str = "float32"  # "bf16": bfloat16 forward/backward, float32 params, loss, gradients (jdp.models.precision)
+    sync: str = "every-step"  # when the replicas meet: "every-step", "local-sgd" or "diloco" (jdp.parallel.sync)
+    sync_every: int | None = None  # local modes: H, steps between syncs; None: 16
+    outer_optimizer: str | None = None  # diloco: "nesterov" (None: it) or "sgd"
+    outer_lr: float | None = None  # diloco: the outer optimizer's lr; None: 0.7 (Douillard et al. 2023)
+    outer_momentum: float | None = None  # diloco: the outer momentum; None: 0.9 with nesterov, none with sgd
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "epochs", "steps_per_call", "accumulate"):
@@ -74,6 +81,18 @@ class TrainConfig:
             raise ConfigError("`shard_optimizer=True` already ravels the gradients into one buffer per dtype; "
                               "drop `fuse`/`bucket_mb`.")
         check_strategy(self.strategy(), [], self.backend, self.shard_optimizer)
+        sync = self.build_sync()
+        if sync.local:
+            refused = {"shard_optimizer": (False, "keeps one slice of identical params per device"),
+                       "steps_per_call": (1, "runs several steps in one call, with no sync between them")}
+            for name, (default, why) in refused.items():
+                if getattr(self, name) != default:
+                    raise ConfigError(f"`{name}={getattr(self, name)}` {why}; `sync={sync.mode}` keeps different "
+                                      f"params on each device between syncs. Drop `{name}` or use `sync=every-step`.")
+            if model.stateful:
+                raise ConfigError(f"`sync={sync.mode}` averages params only; `model={_name(self.model)}` has state "
+                                  "of its own (BatchNorm statistics). Use a model without BatchNorm, or "
+                                  "`sync=every-step`.")
 
     def build_optimizer(self) -> "optax.GradientTransformation":
         """The optax optimizer of `optimizer`, `momentum`, `weight_decay`, on the lr schedule."""
@@ -87,6 +106,11 @@ class TrainConfig:
             raise ConfigError("`batchnorm` selects a built-in model's BatchNorm; your own `Model` defines its own.")
         return precision.mixed(models.get(self.model, impl=self.model_impl, batchnorm=self.batchnorm), self.precision)
 
+    def build_sync(self) -> sync_lib.Sync:
+        """When the replicas meet (`sync`, `sync_every`, DiLoCo's outer optimizer)."""
+        return sync_lib.from_settings(self.sync, self.sync_every, self.outer_optimizer, self.outer_lr,
+                                      self.outer_momentum)
+
     def strategy(self) -> Allreduce:
         """The allreduce strategy, fused and compressed if asked."""
         return compress_lib.get(self.allreduce, fuse=self.fuse, bucket_mb=self.bucket_mb, compress=self.compress,
@@ -94,8 +118,9 @@ class TrainConfig:
 
     def opt_state(self, trainable: PyTree, device_count: int) -> OptState:
         """How this run keeps its optimizer state for `trainable` params on `device_count` devices."""
+        sync = self.build_sync()
         return OptState(self.build_optimizer(), trainable, device_count, sharded=self.shard_optimizer,
-                        strategy=self.strategy())
+                        strategy=self.strategy(), local=sync.local, outer_optimizer=sync.outer)
 
     def check_fits(self, train_images: int, device_count: int) -> None:
         """Raises ConfigError if the batch cannot be split over the devices or exceeds the train set."""
@@ -124,7 +149,8 @@ def learning_rate(config: TrainConfig) -> "float | optax.Schedule":
 
 
 def payload_bytes(config: TrainConfig) -> int:
-    """Bytes each device hands to the allreduce per step: the gradients, or what `config.compress` sends instead."""
+    """Bytes each device hands to the allreduce each time the model is summed (every step, or every sync of a
+    local mode): the gradients (or params, or their change), or what `config.compress` sends instead."""
     model = config.build_model()
     grads = jax.eval_shape(lambda: models.trainable(model, model.init(jax.random.key(0))))
     return compress_lib.payload_bytes(grads, config.compress, config.powersgd_rank)
@@ -133,12 +159,15 @@ def payload_bytes(config: TrainConfig) -> int:
 def checkpoint_target(config: TrainConfig, device_count: int = 1) -> PyTree:
     """The structure, shapes and dtypes of the arrays `train` checkpoints, e.g. for `jdp.training.checkpoint.load`.
 
-    `device_count` matters only to a stateful strategy (PowerSGD), whose state is saved per device.
+    `device_count` matters only to what is saved per device: a stateful strategy's state (PowerSGD), and
+    a local sync mode's params and optimizer state.
     """
     model = config.build_model()
     params = model.init(jax.random.key(0))
     trainable = models.trainable(model, params)
     opt_state = config.opt_state(trainable, device_count).init(trainable, jax.random.key(0))
+    if config.build_sync().local:
+        params = jax.tree.map(lambda x: np.broadcast_to(x, (device_count, *x.shape)), params)
     return {"params": params, "opt_state": opt_state, "data_key": jax.random.key_data(jax.random.key(0))}
 
 

@@ -135,13 +135,16 @@ class Watch:
       same: params -> the part of them every device must hold identically (default: all of them).
       same_opt_state: the same for the optimizer state (a sharded one holds a different slice on
         each device: only its scalars, such as AdamW's step count, are compared).
+      comparable: step -> whether the replicas must be identical after it (a local sync mode's
+        params are only at syncs); a due check waits for the next such step.
     """
 
     def __init__(self, params: PyTree, check_replicas: int | None = None, lag: int = 2,
                  same: Callable[[PyTree], PyTree] = lambda params: params,
-                 same_opt_state: Callable[[PyTree], PyTree] = lambda opt_state: opt_state) -> None:
+                 same_opt_state: Callable[[PyTree], PyTree] = lambda opt_state: opt_state,
+                 comparable: Callable[[int], bool] = lambda step: True) -> None:
         self._names = leaf_names(params)
-        self._same, self._same_opt_state = same, same_opt_state
+        self._same, self._same_opt_state, self._comparable = same, same_opt_state, comparable
         self._every = check_replicas
         self._lag = lag
         self._pending: deque[tuple[int, int, list[jax.Array]]] = deque()
@@ -157,7 +160,8 @@ class Watch:
         self._pending.append((first, last, finite_flags(loss, params)))
         while len(self._pending) > self._lag:
             self._check(*self._pending.popleft())
-        if self._every is not None and last // self._every > self._replicas_checked_at // self._every:
+        due = self._every is not None and last // self._every > self._replicas_checked_at // self._every
+        if due and self._comparable(last):
             self.flush()
             check_replicas({"params": self._same(params), "opt_state": self._same_opt_state(opt_state)}, last)
             self._replicas_checked_at = last

@@ -12,12 +12,14 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from jdp import models
 from jdp.data import Dataset
-from jdp.errors import check_positive
-from jdp.parallel.layout import map_over_devices, replicate, unreplicate
+from jdp.errors import ConfigError, check_positive
+from jdp.parallel.layout import fetch, map_over_devices, place
 from jdp.parallel.step import make_train_step
+from jdp.parallel.sync import make_consensus, make_sync
 from jdp.training import checkpoint, guards
 from jdp.training.config import TrainConfig
 from jdp.training.evaluate import make_evaluator
@@ -25,6 +27,7 @@ from jdp.training.feeders import make_epoch_runner
 from jdp.training.keeper import Keeper
 from jdp.training.profile import Profiler, check_window
 from jdp.training.resume import describe_run
+from jdp.training.stragglers import Stopwatch
 
 PyTree = Any
 
@@ -35,6 +38,7 @@ class EpochRecord:
     train_loss: float  # mean per-image loss over the epoch's steps
     test_acc: float
     seconds: float  # wall time of the epoch's training loop only
+    syncs: int | None = None  # allreduces of the model since the run began: every step, or a local mode's syncs
 
 
 def train(
@@ -49,6 +53,7 @@ def train(
     resume: bool = False,
     check_replicas: int | None = None,
     profile: Profiler | None = None,
+    stopwatch: Stopwatch | None = None,
 ) -> tuple[PyTree, list[EpochRecord]]:
     """Trains `config.model` (the lesson's LeNet by default, or your own `Model`) data-parallel on `devices`.
 
@@ -63,6 +68,8 @@ def train(
       resume: continue from the newest intact checkpoint in `checkpoint_dir`, if any.
       check_replicas: every this many steps, stop unless all replicas are bit-identical.
       profile: traces its steps and measures their breakdown (`profile.breakdown` after the run).
+      stopwatch: delays the straggler's process before its steps and times every step and sync to
+        completion (`stopwatch.report()` after the run; see `jdp.training.stragglers`).
 
     Returns:
       (params, history): the first replica's params and one record per epoch (with a resumed
@@ -83,33 +90,59 @@ def train(
     steps_per_epoch = len(dataset.train.labels) // config.batch_size
     if profile is not None:
         check_window(profile.first, profile.last, steps_per_epoch * config.epochs)
-    strategy = config.strategy()
+    if stopwatch is not None:
+        stopwatch.straggler.check(jax.process_count())
+        if config.steps_per_call != 1:
+            raise ConfigError(f"`steps_per_call={config.steps_per_call}` runs several steps in one call; a simulated "
+                              "straggler delays and times each step: use `steps_per_call=1`.")
+    strategy, sync, last_step = config.strategy(), config.build_sync(), steps_per_epoch * config.epochs
     opt = config.opt_state(models.trainable(model, params), len(devices))
     keeper = Keeper(
         checkpoint_dir, checkpoint_every,
-        describe_run(config.to_dict(), dataset, len(devices), per_device_state=opt.per_device_strategy_state)
+        describe_run(config.to_dict(), dataset, len(devices),
+                     per_device_state=opt.per_device_strategy_state or opt.local)
         if checkpoint_dir is not None else None,
         steps_per_epoch, guards.Watch(params, check_replicas, same=_same_on_every_device(model),
-                                      same_opt_state=opt.replicated_part),
-        lambda tree: unreplicate(tree, config.backend), jax.random.key_data(data_key),
+                                      same_opt_state=opt.replicated_part,
+                                      comparable=lambda step: not sync.local or sync.due(step, last_step)),
+        lambda tree: fetch(tree, sync.params_kind, config.backend), jax.random.key_data(data_key),
         opt_host_copy=lambda state: opt.to_host(state, config.backend),
     )
-    arrays = {"params": params, "opt_state": opt.init(models.trainable(model, params), jax.random.fold_in(init_key, 1)),
+    arrays = {"params": _copies(params, len(devices)) if sync.local else params,  # local: each device's own
+              "opt_state": opt.init(models.trainable(model, params), jax.random.fold_in(init_key, 1)),
               "data_key": keeper.data_key}
     if resume:
         arrays = keeper.resume(arrays, config.epochs)
     data_key = jax.random.wrap_key_data(arrays["data_key"])
-    state = (replicate(arrays["params"], devices, config.backend),
+    state = (place(arrays["params"], sync.params_kind, devices, config.backend),
              opt.place(arrays["opt_state"], devices, config.backend))
     step = make_train_step(model.loss, optimizer, strategy, devices, backend=config.backend, stateful=model.stateful,
-                           accumulate=config.accumulate, shard_optimizer=config.shard_optimizer,
+                           accumulate=config.accumulate, shard_optimizer=config.shard_optimizer, sync=sync,
                            **({} if profile is None else {"segment": profile.segment}))
+    model_of = lambda state: state[0]  # noqa: E731  (the one model, replicated: evaluated after each epoch)
+    if stopwatch is not None:
+        step = stopwatch.step(step, lambda: keeper.step + 1)
+    if sync.local:
+        meet = make_sync(sync, strategy, opt, devices, config.backend)
+        if stopwatch is not None:
+            meet = stopwatch.sync(meet)
+
+        def step_then_sync(params, opt_state, images, labels):  # the loop counts the steps: `keeper.step` before it
+            params, opt_state, loss = local_step(params, opt_state, images, labels)
+            if sync.due(keeper.step + 1, last_step):
+                params, opt_state = meet(params, opt_state)
+            return params, opt_state, loss
+
+        local_step, step = step, step_then_sync
+        consensus = make_consensus(sync, opt, devices, config.backend)
+        model_of = lambda state: consensus(*state)  # noqa: E731
     evaluate = make_evaluator(model.apply, devices, on_all_devices=config.eval_on == "all", backend=config.backend)
     if model.per_replica_state:  # one set of statistics before evaluating and saving (see jdp.models)
         average = map_over_devices(lambda variables: (models.average_state(variables),), devices, config.backend,
                                    ("per_device",), ("per_device",), donate=(0,))
     run_epoch = make_epoch_runner(step, dataset.train, devices, config.batch_size, config.backend,
-                                  steps_per_call=config.steps_per_call, traceable=strategy.where == "inside")
+                                  steps_per_call=config.steps_per_call,
+                                  traceable=strategy.where == "inside" and not sync.local and stopwatch is None)
     after_call = keeper.after_call
     if profile is not None:
         profile.at(keeper.step, state)
@@ -128,12 +161,19 @@ def train(
         record = EpochRecord(
             epoch=epoch,
             train_loss=float(keeper.epoch_loss()) / (steps_per_epoch * config.batch_size),
-            test_acc=evaluate(state[0], dataset.test.images, dataset.test.labels),
+            test_acc=evaluate(model_of(state), dataset.test.images, dataset.test.labels),
             seconds=seconds,
+            syncs=sync.syncs(keeper.step, last_step),
         )
         keeper.end_epoch(state, dataclasses.asdict(record), last=epoch == config.epochs)
         on_epoch(record)
-    return unreplicate(state[0], config.backend), [EpochRecord(**r) for r in keeper.history]
+    final = fetch(model_of(state), "replicated", config.backend)  # a local run ends with a sync: one model
+    return final, [EpochRecord(**r) for r in keeper.history]
+
+
+def _copies(tree: PyTree, k: int) -> PyTree:
+    """k rows of every leaf, each the whole leaf (a view): the per_device host form of a replicated value."""
+    return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (k, *np.shape(x))), tree)
 
 
 def _same_on_every_device(model: models.Model) -> Callable[[PyTree], PyTree]:

@@ -17,10 +17,11 @@ from jdp.errors import ConfigError
 # from the seed, walked in batches of batch_size, so `position` means nothing under other values.
 MUST_MATCH = ("batch_size", "seed")
 # What a resumed run must share with the checkpoint because it defines the optimizer state's arrays.
-SAME_STATE = ("optimizer", "shard_optimizer")
+SAME_STATE = ("optimizer", "shard_optimizer", "sync", "outer_optimizer")
 # Settings added after the first checkpoints were written, with the value those runs had.
 ADDED = {"optimizer": "sgd", "momentum": None, "weight_decay": None, "accumulate": 1, "shard_optimizer": False,
-         "precision": "float32"}
+         "precision": "float32", "sync": "every-step", "sync_every": None, "outer_optimizer": None,
+         "outer_lr": None, "outer_momentum": None}
 # What may change without a note: how many epochs to run, and how the test set is evaluated.
 FREE = ("epochs", "eval_on")
 
@@ -50,11 +51,12 @@ def describe_run(config: dict[str, Any], dataset: Any, device_count: int,
 
 
 def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuses a checkpoint whose optimizer state is of another kind (`optimizer`, `shard_optimizer`).
+    """Refuses a checkpoint whose optimizer state is of another kind (`optimizer`, `shard_optimizer`, `sync`, ...).
 
     Checked before the arrays are read, so the error names the flag, not the first array that differs.
     The device count may change under `shard_optimizer`: the state is stored unsliced (`jdp.parallel.opt_state`);
-    it may not with an allreduce that keeps state per device (`compress=powersgd`).
+    it may not with an allreduce that keeps state per device (`compress=powersgd`), nor under a local sync
+    mode, whose params and optimizer state are saved per device.
 
     Raises:
       ConfigError: naming the setting that differs.
@@ -83,14 +85,16 @@ def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
 
 
 def _strategy(config: dict[str, Any]) -> str:
+    if config.get("sync", "every-step") != "every-step":
+        return f"`sync={config['sync']}`"
     compress = config.get("compress", "none")
     return f"`compress={compress}`" if compress != "none" else f"`allreduce={config.get('allreduce')}`"
 
 
 def _shown(name: str, value: Any) -> str:
-    if name == "optimizer":
-        return f"`optimizer={value}`"
-    return f"`shard_optimizer={bool(value)}`"
+    if name == "shard_optimizer":
+        return f"`shard_optimizer={bool(value)}`"
+    return f"`{name}={value}`"
 
 
 def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
