@@ -4,6 +4,7 @@ import argparse
 import json
 import platform
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -56,3 +57,19 @@ def write_outputs(out: Path, name: str, record: dict, table: str) -> None:
     (out / f"{name}.md").write_text(table)
     print(table)
     print(f"wrote {out / (name + '.json')}, {out / (name + '.md')}")
+
+
+def train_and_compare(modes: dict[str, list[str]], runs: Path, out: Path, flags: Sequence[str],
+                      reuse: bool = False) -> dict[str, dict]:
+    """One `jdp train --out runs/NAME *flags *modes[NAME]` process per mode, one after the other (with `reuse`,
+    only those without a history.json yet), then `jdp compare` of them all into `out`; their histories."""
+    for name, extra in modes.items():
+        if reuse and (runs / name / "history.json").exists():
+            continue
+        command = [sys.executable, "-m", "jdp", "train", "--no-progress", "--out", str(runs / name), *flags, *extra]
+        print("$", " ".join(command[1:]), flush=True)
+        subprocess.run(command, check=True)
+    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "jdp", "compare", *(str(runs / name) for name in modes),
+                    "--out", str(out)], check=True)
+    return {name: json.loads((runs / name / "history.json").read_text()) for name in modes}

@@ -8,9 +8,6 @@ arrays the compression wrapper actually sends (`jdp.parallel.compress.payload_by
 """
 
 import datetime
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import common
@@ -33,17 +30,7 @@ def main() -> None:
     args = p.parse_args()
     runs, out = Path(args.runs), Path(args.out)
     data = QUICK if args.quick else ["--epochs", str(args.epochs), "--data-dir", args.data_dir]
-    for name, flags in MODES.items():
-        if args.reuse and (runs / name / "history.json").exists():
-            continue
-        command = [sys.executable, "-m", "jdp", "train", "--cpu-devices", "2", "--no-progress",
-                   "--out", str(runs / name), *data, *flags]
-        print("$", " ".join(command[1:]), flush=True)
-        subprocess.run(command, check=True)
-    out.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "jdp", "compare", *(str(runs / name) for name in MODES),
-                    "--out", str(out)], check=True)
-    histories = {name: json.loads((runs / name / "history.json").read_text()) for name in MODES}
+    histories = common.train_and_compare(MODES, runs, out, ["--cpu-devices", "2", *data], reuse=args.reuse)
     import jax
 
     rows = [[name, f"{h['epochs'][-1]['test_acc']:.4f}", f"{plateau(h):.4f}", h["allreduce_payload_bytes"],

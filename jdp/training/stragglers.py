@@ -57,50 +57,37 @@ class Stopwatch:
     and asleep as the straggler."""
 
     straggler: Straggler
-    step_seconds: float = 0.0
-    steps: int = 0  # timed
-    sync_seconds: float = 0.0
-    syncs: int = 0  # timed
+    seconds: dict[str, float] = dataclasses.field(default_factory=lambda: {"step": 0.0, "sync": 0.0})
+    counts: dict[str, int] = dataclasses.field(default_factory=lambda: {"step": -1, "sync": -1})  # -1: compiles
     delayed_seconds: float = 0.0
-    _compiled: set[str] = dataclasses.field(default_factory=set)
 
     def step(self, step: Callable, number: Callable[[], int]) -> Callable:
         """`step`, preceded by the straggler's sleep (on its process, every `every`-th `number()`) and timed."""
 
-        def timed(*args: Any) -> Any:
+        def delayed(*args: Any) -> Any:
             if jax.process_index() == self.straggler.process and number() % self.straggler.every == 0:
                 time.sleep(self.straggler.seconds)
                 self.delayed_seconds += self.straggler.seconds
-            start = time.perf_counter()
-            out = jax.block_until_ready(step(*args))
-            if self._timed("step"):
-                self.step_seconds, self.steps = self.step_seconds + time.perf_counter() - start, self.steps + 1
-            return out
+            return self._timed("step", step, args)
 
-        return timed
+        return delayed
 
     def sync(self, meet: Callable) -> Callable:
         """`meet` (a local mode's sync), timed to completion."""
+        return lambda *args: self._timed("sync", meet, args)
 
-        def timed(*args: Any) -> Any:
-            start = time.perf_counter()
-            out = jax.block_until_ready(meet(*args))
-            if self._timed("sync"):
-                self.sync_seconds, self.syncs = self.sync_seconds + time.perf_counter() - start, self.syncs + 1
-            return out
-
-        return timed
-
-    def _timed(self, what: str) -> bool:
-        """False for the first call of `what` (it compiles), True after."""
-        first = what not in self._compiled
-        self._compiled.add(what)
-        return not first
+    def _timed(self, what: str, fn: Callable, args: tuple) -> Any:
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        if self.counts[what] >= 0:  # the first call compiles: not counted
+            self.seconds[what] += time.perf_counter() - start
+        self.counts[what] += 1
+        return out
 
     def report(self) -> list[dict[str, float]]:
         """Every process's times, in process order (a collective: every process calls it)."""
-        mine = np.array([self.steps, self.step_seconds, self.syncs, self.sync_seconds, self.delayed_seconds])
-        rows = per_process(mine)
+        steps, syncs = (max(self.counts[what], 0) for what in ("step", "sync"))
+        rows = per_process(np.array([steps, self.seconds["step"], syncs, self.seconds["sync"], self.delayed_seconds]))
         return [{"process": p, "steps": int(r[0]), "step_s": float(r[1] / max(r[0], 1)), "syncs": int(r[2]),
                  "sync_s": float(r[3] / max(r[2], 1)), "delayed_s": float(r[4])} for p, r in enumerate(rows)]
 
