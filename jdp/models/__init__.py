@@ -167,11 +167,13 @@ def trainable(model: Model, variables: PyTree) -> PyTree:
 
 
 def average_state(variables: PyTree) -> PyTree:
-    """Per-device variables → the same with "state" averaged over the mapped device axis `AXIS`.
+    """Per-device variables → the same with "state"'s floating-point arrays averaged over the mapped axis `AXIS`.
 
-    Call inside a function mapped over the devices (`jdp.map_over_devices`); params pass through untouched.
+    Call inside a function mapped over the devices (`jdp.map_over_devices`); params pass through
+    untouched, and so do integer state arrays (an adapted model's dropout key, the same everywhere).
     """
-    return {"params": variables["params"], "state": lax.pmean(variables["state"], AXIS)}
+    average = lambda x: lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else x  # noqa: E731
+    return {"params": variables["params"], "state": jax.tree.map(average, variables["state"])}
 
 
 def _example() -> jax.Array:
