@@ -67,10 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
     train.add_argument("--model", default="lenet",
                        help="lenet (the from-scratch LeNet), lenet_flax (its Flax version), resnet18 (the lesson's "
-                       "ResNet-18 for 28x28, Flax), or a model a --plugin registered")
+                       "ResNet-18 for 28x28, Flax), a model a --plugin registered, or module:factory (a module or "
+                       ".py file and its function returning a jdp.Model, e.g. my_models.py:make_cnn)")
     train.add_argument("--batchnorm", default=None, choices=BATCHNORM,
                        help="resnet18: BatchNorm statistics synchronised over all devices (the global batch's), or "
-                       "over each device's shard; resnet18 uses sync when it is not given")
+                       "over each device's shard; resnet18 uses sync when it is not given; with --model "
+                       "module:factory, passed to the factory as batchnorm=")
     train.add_argument("--model-impl", default="fast", choices=list(IMPLEMENTATIONS),
                        help="--model lenet's formulation: fast (jdp.models.lenet_fast) or the lesson's reference; same math")
     train.add_argument("--steps-per-call", type=int, default=1, metavar="S",
