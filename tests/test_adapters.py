@@ -63,7 +63,15 @@ def runs():
     return run
 
 
-@pytest.mark.parametrize("library", ["nnx", "linen", "equinox"])
+@pytest.mark.parametrize("library", ["linen", "equinox"])
+def test_adapted_model_trains_with_identical_replicas(library, runs):
+    params, history = runs(library, "psum")
+    assert history[-1].train_loss < history[0].train_loss and history[-1].test_acc > 0.3
+    assert set(params) == {"params", "state"} and params["state"]["rng"].dtype == np.uint32
+
+
+@pytest.mark.parametrize("library", ["nnx", pytest.param("linen", marks=pytest.mark.slow),
+                                     pytest.param("equinox", marks=pytest.mark.slow)])
 def test_adapted_model_trains_alike_with_psum_and_ring_with_a_sharded_optimizer(library, runs):
     (psum, psum_history), (ring, ring_history) = runs(library, "psum"), runs(library, "ring+sharded")
     assert [r.epoch for r in psum_history] == [1, 2]
