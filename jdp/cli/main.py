@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue from the newest intact checkpoint in --checkpoint-dir")
     train.add_argument("--check-replicas", type=int, default=None, metavar="N",
                        help="every N steps, stop unless all replicas are bit-identical")
+    train.add_argument("--tensorboard", default=None, metavar="DIR",
+                       help="write TensorBoard scalars to DIR: per-step loss and lr, per-epoch accuracy, loss, step "
+                       "time and allreduce bytes, the config as text and hparams (docs/experiments.md)")
     train.add_argument("--profile", default=None, metavar="DIR",
                        help="write a jax.profiler trace of --profile-steps to DIR (Perfetto, TensorBoard) and print "
                        "where each step's time goes: compute, communication, host")
@@ -135,7 +138,7 @@ def run_train(args: argparse.Namespace) -> int:
     from jdp import data, plot
     from jdp.runtime.devices import describe
     from jdp.training import checkpoint
-    from jdp.training.config import TrainConfig, payload_bytes
+    from jdp.training.config import TrainConfig, learning_rate, payload_bytes
     from jdp.training.loop import train
     from jdp.training.profile import Profiler, default_window, parse_steps
 
@@ -155,15 +158,34 @@ def run_train(args: argparse.Namespace) -> int:
         quiet = args.no_progress or not sys.stderr.isatty()  # in a log: only the epoch lines below
         return tqdm(batches, total=total, unit="step", leave=False, disable=quiet, file=sys.stderr)
 
+    import jax
+
+    settings = {k: v for k, v in vars(args).items() if k not in ("run", "command")}  # as history.json's config
+    board, steps_run = None, {"first": 0, "last": 0}
+    if args.tensorboard is not None and jax.process_index() == 0:  # one writer per multi-process job
+        from jdp.training.tensorboard import TensorBoardWriter
+
+        board = TensorBoardWriter(args.tensorboard, settings, learning_rate(config), payload_bytes(config))
+
+    def on_steps(first, losses):
+        steps_run.update(first=first, last=first + len(losses) - 1)
+        if board is not None:
+            board.steps(first, losses)
+
     def on_epoch(record):
         print(f"epoch {record.epoch:3d}  train loss {record.train_loss:.4f}  "
               f"test acc {record.test_acc:.4f}  {record.seconds:.1f} s", flush=True)
+        if board is not None:
+            board.epoch(record, steps_run["last"], steps_run["last"] - steps_run["first"] + 1)
 
-    import jax
-
-    _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress,
-                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                       resume=args.resume, check_replicas=args.check_replicas, profile=profiler)
+    try:
+        _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress,
+                           on_steps=None if args.tensorboard is None else on_steps,
+                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                           resume=args.resume, check_replicas=args.check_replicas, profile=profiler)
+    finally:
+        if board is not None:
+            board.close()
     test_acc = [r.test_acc for r in history]
     sec_per_epoch = sum(r.seconds for r in history) / len(history)
     print(f"test acc: {test_acc[-1]:.2f}, {sec_per_epoch:.1f} sec/epoch on [{', '.join(describe(devices))}]")
@@ -174,7 +196,7 @@ def run_train(args: argparse.Namespace) -> int:
               f"`tensorboard --logdir {args.profile}` (Profile tab)")
     if out is not None and jax.process_index() == 0:  # one writer per multi-process job
         record = {
-            "config": {k: v for k, v in vars(args).items() if k not in ("run", "command")},
+            "config": settings,
             "devices": describe(devices),
             "jax_version": jax.__version__,
             "epochs": [dataclasses.asdict(r) for r in history],
