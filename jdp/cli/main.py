@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="every N steps, stop unless all replicas are bit-identical")
     train.add_argument("--tensorboard", default=None, metavar="DIR",
                        help="write TensorBoard scalars to DIR: per-step loss and lr, per-epoch accuracy, loss, step "
-                       "time and allreduce bytes, the config as text and hparams (docs/experiments.md)")
+                       "time and allreduce bytes, the config as text and hparams (docs/hooks.md)")
     train.add_argument("--profile", default=None, metavar="DIR",
                        help="write a jax.profiler trace of --profile-steps to DIR (Perfetto, TensorBoard) and print "
                        "where each step's time goes: compute, communication, host")
