@@ -96,3 +96,16 @@ def test_without_the_tensorboard_package_the_error_says_what_to_install(tmp_path
     with pytest.raises(ConfigError, match=r"needs the `tensorboard` package \(no TensorFlow\): "
                                           r"pip install 'jdp\[tensorboard\]'"):
         TensorBoardWriter(tmp_path, {}, 0.1, 0)
+
+
+def test_a_resumed_run_continues_the_step_axis_in_the_same_directory(tmp_path, devices):
+    data = jdp.synthetic_dataset(jax.random.key(0), 128, 32)
+    for epochs in (1, 2):  # epoch 1, then resumed from its checkpoint for epoch 2
+        writer = TensorBoardWriter(tmp_path / "board", {"epochs": epochs}, 0.1, 1000)
+        train(TrainConfig(batch_size=32, lr=0.1, epochs=epochs), data, devices[:2], checkpoint_dir=tmp_path / "ckpt",
+              resume=epochs == 2, on_steps=writer.steps, on_epoch=writer.epoch)
+        writer.close()
+    scalars = read_scalars(tmp_path / "board")
+    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 9))
+    assert scalars["comm/allreduce_bytes_total"] == [(4, 4000.0), (8, 8000.0)]
+    assert [s for s, _ in scalars["epoch/step_time_ms"]] == [4, 8]

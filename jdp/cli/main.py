@@ -161,26 +161,22 @@ def run_train(args: argparse.Namespace) -> int:
     import jax
 
     settings = {k: v for k, v in vars(args).items() if k not in ("run", "command")}  # as history.json's config
-    board, steps_run = None, {"first": 0, "last": 0}
+    board = None
     if args.tensorboard is not None and jax.process_index() == 0:  # one writer per multi-process job
         from jdp.training.tensorboard import TensorBoardWriter
 
         board = TensorBoardWriter(args.tensorboard, settings, learning_rate(config), payload_bytes(config))
-
-    def on_steps(first, losses):
-        steps_run.update(first=first, last=first + len(losses) - 1)
-        if board is not None:
-            board.steps(first, losses)
+    # every process reads the step losses (a collective with several processes); process 0 writes them
+    on_steps = None if args.tensorboard is None else board.steps if board is not None else lambda first, losses: None
 
     def on_epoch(record):
         print(f"epoch {record.epoch:3d}  train loss {record.train_loss:.4f}  "
               f"test acc {record.test_acc:.4f}  {record.seconds:.1f} s", flush=True)
         if board is not None:
-            board.epoch(record, steps_run["last"], steps_run["last"] - steps_run["first"] + 1)
+            board.epoch(record)
 
     try:
-        _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress,
-                           on_steps=None if args.tensorboard is None else on_steps,
+        _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress, on_steps=on_steps,
                            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                            resume=args.resume, check_replicas=args.check_replicas, profile=profiler)
     finally:

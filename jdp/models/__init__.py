@@ -140,7 +140,8 @@ def get(name: "str | Model", **options: Any) -> Model:
     if name not in _MODELS and ":" in name:
         return load(name, batchnorm=options.get("batchnorm"))
     if name not in _MODELS:
-        raise ConfigError(f"`model` must be one of {', '.join(_MODELS)}, or `module:factory`, got `{name}`.")
+        raise ConfigError(f"`model` must be one of {', '.join(_MODELS)}, got `{name}`; or `module:factory` (a "
+                          "function in a module or .py file that returns a `jdp.Model`).")
     model = _MODELS[name](**options)
     return model if model.name != "custom" else model._replace(name=name)
 

@@ -30,6 +30,8 @@ LearningRate = float | Callable[[int], Any]  # a constant, or an optax schedule 
 class TensorBoardWriter:
     """Writes a run's scalars, config and hparams into `directory` as TensorBoard events.
 
+    Give `steps` to `jdp.train` as `on_steps` and `epoch` as `on_epoch` (or call it from yours).
+
     Args:
       directory: the run's log dir (created if missing).
       config: the run's settings as JSON values (e.g. `TrainConfig.to_dict()`).
@@ -50,6 +52,7 @@ class TensorBoardWriter:
         Path(directory).mkdir(parents=True, exist_ok=True)
         self._writer = EventFileWriter(str(directory))
         self._learning_rate, self._payload_bytes = learning_rate, payload_bytes
+        self._last_step, self._steps_run = 0, 0  # the newest step written, and the epoch's steps so far
         self._config(config)
 
     def steps(self, first: int, losses: Sequence[float]) -> None:
@@ -57,14 +60,17 @@ class TensorBoardWriter:
         for step, loss in enumerate(losses, start=first):
             lr = self._learning_rate if isinstance(self._learning_rate, float) else self._learning_rate(step - 1)
             self._scalars(step, {"train/loss": float(loss), "train/learning_rate": float(lr)})
+        self._last_step, self._steps_run = first + len(losses) - 1, self._steps_run + len(losses)
 
-    def epoch(self, record: Any, step: int, steps_run: int) -> None:
-        """An epoch's `jdp.EpochRecord`, at `step` (its last), `steps_run` of its steps timed in `record.seconds`."""
+    def epoch(self, record: Any) -> None:
+        """An epoch's `jdp.EpochRecord`, at its last step: after `steps` gave that epoch's steps."""
+        step, steps = self._last_step, max(self._steps_run, 1)
         self._scalars(step, {
             "epoch/train_loss": record.train_loss, "epoch/test_accuracy": record.test_acc,
-            "epoch/seconds": record.seconds, "epoch/step_time_ms": 1e3 * record.seconds / max(steps_run, 1),
+            "epoch/seconds": record.seconds, "epoch/step_time_ms": 1e3 * record.seconds / steps,
             "comm/allreduce_bytes_per_step": self._payload_bytes, "comm/allreduce_bytes_total": self._payload_bytes * step,
         })
+        self._steps_run = 0
         self._writer.flush()
 
     def close(self) -> None:
