@@ -168,7 +168,8 @@ def load(spec: str, batchnorm: str | None = None) -> Model:
     try:
         inspect.signature(factory).bind(**options)
     except TypeError:
-        raise ConfigError(f"`model={spec}`: `{attribute}` has no parameter batchnorm to receive `batchnorm={batchnorm}`; "
+        raise ConfigError(f"`model={spec}`: `{attribute}` has no parameter batchnorm to receive "
+                          f"`batchnorm={batchnorm}`; "
                           "add one or drop `batchnorm`." if options else
                           f"`model={spec}`: `{attribute}` must be callable with no arguments.") from None
     model = factory(**options)

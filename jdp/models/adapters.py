@@ -166,7 +166,8 @@ def from_linen(module: Any, *, loss: LogitsLoss | None = None, rng_streams: tupl
     def apply(variables: PyTree, images: jax.Array) -> jax.Array:
         return module.apply({"params": variables["params"], **variables["state"]["model"]}, images, **mode(False))
 
-    return Model(init, loss_fn, apply, stateful=True, per_replica_state=None in axes, name=name or type(module).__name__)
+    return Model(init, loss_fn, apply, stateful=True, per_replica_state=None in axes,
+                 name=name or type(module).__name__)
 
 
 def from_equinox(make: Callable[[jax.Array], Any], *, loss: LogitsLoss | None = None, name: str | None = None) -> Model:
@@ -206,7 +207,8 @@ def from_equinox(make: Callable[[jax.Array], Any], *, loss: LogitsLoss | None = 
     def init(key: jax.Array) -> PyTree:
         model_key, rng_key = jax.random.split(key)
         leaves = treedef.flatten_up_to(make(model_key))
-        parts = {kind: {n: leaf for n, k, leaf in zip(names, kinds, leaves) if k == kind} for kind in ("params", "model")}
+        parts = {kind: {n: leaf for n, k, leaf in zip(names, kinds, leaves) if k == kind}
+                 for kind in ("params", "model")}
         return {"params": parts["params"], "state": {"model": parts["model"], "rng": jax.random.key_data(rng_key)}}
 
     def rebuild(params: PyTree, state: PyTree) -> Any:

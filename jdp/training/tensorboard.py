@@ -68,7 +68,8 @@ class TensorBoardWriter:
         self._scalars(step, {
             "epoch/train_loss": record.train_loss, "epoch/test_accuracy": record.test_acc,
             "epoch/seconds": record.seconds, "epoch/step_time_ms": 1e3 * record.seconds / steps,
-            "comm/allreduce_bytes_per_step": self._payload_bytes, "comm/allreduce_bytes_total": self._payload_bytes * step,
+            "comm/allreduce_bytes_per_step": self._payload_bytes,
+            "comm/allreduce_bytes_total": self._payload_bytes * step,
         })
         self._steps_run = 0
         self._writer.flush()
