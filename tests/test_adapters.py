@@ -81,6 +81,19 @@ def test_adapted_model_trains_alike_with_psum_and_ring_with_a_sharded_optimizer(
     assert [r.test_acc for r in ring_history] == pytest.approx([r.test_acc for r in psum_history], abs=1 / 64)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{"allreduce": "manual"}, {"allreduce": "manual_ring"},
+                                     {"allreduce": "tree", "backend": "shard_map"},
+                                     {"allreduce": "ring", "backend": "shard_map", "shard_optimizer": True},
+                                     {"allreduce": "psum", "steps_per_call": 2}],
+                         ids=lambda options: "-".join(str(v) for v in options.values()))
+def test_adapted_nnx_model_trains_alike_with_every_strategy_and_backend(options, runs):
+    """Outside strategies (copies between mapped calls), shard_map's layout and chunked calls carry the state too."""
+    want, _ = runs("nnx", "psum")
+    got, _ = jdp.train(config(make_nnx_cnn(), **options), DATA, jax.devices()[:2], check_replicas=1)
+    assert max_relative_difference(got, want) < 1e-4
+
+
 def test_per_replica_batchnorm_keeps_each_devices_statistics_and_trains_with_replicated_params(devices):
     per_replica, sync = make_nnx_cnn(batchnorm="per-replica"), make_nnx_cnn()
     assert per_replica.per_replica_state and not sync.per_replica_state
