@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from adapter_models import LinenMLP, NnxCNN, equinox_mlp, make_equinox_mlp, make_linen_mlp, make_nnx_cnn
 from flax import nnx
@@ -158,6 +159,23 @@ def test_resumed_mid_epoch_equals_uninterrupted_bit_for_bit(tmp_path, devices):
     resumed, _ = jdp.train(cfg, DATA, devices[:2], checkpoint_dir=tmp_path / "resumed", resume=True)
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_nnx_variables_outside_the_trainable_filter_are_carried_unchanged(devices):
+    """Fine-tuning the output layer only: the conv's params ride in the state, untouched by the update."""
+    model = jdp.from_nnx(lambda rngs: NnxCNN(rngs), trainable=nnx.All(nnx.Param, nnx.PathContains("out")))
+    init = model.init(jax.random.key(0))
+    assert set(init["params"]) == {"out"} and {"conv", "bn"} <= set(init["state"]["model"])
+    optimizer = optax.sgd(0.1)
+    step = jdp.make_train_step(model.loss, optimizer, "psum", devices[:2], stateful=True)
+    variables = jdp.replicate(init, devices[:2])
+    opt_state = jdp.replicate(optimizer.init(init["params"]), devices[:2])
+    variables, _, _ = step(variables, opt_state, *jdp.split_batch(DATA.train.images[:16], DATA.train.labels[:16],
+                                                                   devices[:2]))
+    got = jdp.unreplicate(variables)
+    np.testing.assert_array_equal(got["state"]["model"]["conv"]["kernel"], init["state"]["model"]["conv"]["kernel"])
+    assert not np.array_equal(got["params"]["out"]["kernel"], init["params"]["out"]["kernel"])
+    assert not np.array_equal(got["state"]["model"]["bn"]["mean"], init["state"]["model"]["bn"]["mean"])
 
 
 def test_loss_given_by_the_user_replaces_the_default():
