@@ -138,9 +138,11 @@ def read_run(directory: str | Path) -> dict[str, Any]:
             "allreduce_payload_bytes": int(scalars["comm/allreduce_bytes_per_step"][-1][1])}
 
 
-def _value(value: Any) -> bool | int | float | str:
-    """An hparam's value as written: protobuf keeps every number as a double."""
+def _value(value: Any) -> Any:
+    """An hparam's value as written: protobuf keeps every number as a double, and lists were written as JSON."""
     got = getattr(value, value.WhichOneof("kind"))
+    if isinstance(got, str) and got.startswith(("[", "{")):
+        return json.loads(got)
     return int(got) if isinstance(got, float) and got.is_integer() else got
 
 
