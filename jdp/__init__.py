@@ -16,6 +16,7 @@ from jdp.models import Model, summed_cross_entropy
 from jdp.models import get as get_model
 from jdp.models import names as model_names
 from jdp.models import register as register_model
+from jdp.models.adapters import from_equinox, from_linen, from_nnx
 from jdp.parallel.allreduce import get as get_allreduce
 from jdp.parallel.allreduce import names as allreduce_names
 from jdp.parallel.allreduce import register as register_allreduce
@@ -74,6 +75,9 @@ __all__ = [
     "allreduce_names",
     "describe_devices",
     "enable_xla_flags",
+    "from_equinox",
+    "from_linen",
+    "from_nnx",
     "fused",
     "get_allreduce",
     "get_model",

@@ -28,18 +28,21 @@ def write_trace(path, events):
 
 def test_op_seconds_counts_each_op_once_and_collectives_apart(tmp_path):
     """A while loop of 100 µs holding a collective-permute of 30 µs and a fusion of 20 µs: the loop's own
-    50 µs are compute; runtime events (capitalised) and the python thread's events are not ops."""
+    50 µs are compute, and so is a oneDNN convolution; runtime events (capitalised), Python's ($file.py:line)
+    and the python thread's events are not ops."""
     write_trace(tmp_path / "t.json.gz", [
         {"tid": 7, "name": "while.2", "ts": 0, "dur": 100},
         {"tid": 7, "name": "collective-permute.1", "ts": 10, "dur": 30},
         {"tid": 7, "name": "Rendezvous", "ts": 12, "dur": 25},
         {"tid": 7, "name": "fusion.3", "ts": 50, "dur": 20},
         {"tid": 7, "name": "psum.7", "ts": 200, "dur": 40},  # current JAX names an all-reduce by its primitive
+        {"tid": 7, "name": "custom-call.8.clone__onednn$convolution", "ts": 250, "dur": 15},  # oneDNN on CPU
+        {"tid": 7, "name": "$api.py:2778 block_until_ready", "ts": 270, "dur": 10},
         {"tid": 7, "name": "ThunkExecutor::Execute", "ts": 0, "dur": 300},
         {"tid": 8, "name": "train", "ts": 0, "dur": 1000},
     ])
     got = profile.op_seconds(tmp_path / "t.json.gz")
-    assert got == pytest.approx({"compute": 70e-6, "communication": 70e-6})
+    assert got == pytest.approx({"compute": 85e-6, "communication": 70e-6})
 
 
 def test_profile_steps_must_be_a_window_of_the_run():

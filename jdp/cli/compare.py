@@ -15,29 +15,35 @@ from jdp.flags import check_out_dir
 
 # Settings that say where or how a run was recorded, not what it computed: never a label.
 NOT_A_DIFFERENCE = ("out", "no_progress", "checkpoint_dir", "checkpoint_every", "resume", "check_replicas",
-                    "profile", "profile_steps")
+                    "profile", "profile_steps", "tensorboard")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Adds `compare` to the `jdp` subcommands."""
     p = commands.add_parser(
         "compare", help="put several runs' history.json side by side: one figure, one markdown table",
-        description="Read RUN_DIR/history.json of each run (written by `jdp train --out RUN_DIR`) and write "
-        "compare.png (test accuracy and train loss per epoch, and test accuracy against the MB each device sent; "
-        "one curve per run) and compare.md, labelling each run by the settings in which the runs differ.",
+        description="Read RUN_DIR/history.json of each run (written by `jdp train --out RUN_DIR`), or its "
+        "TensorBoard events (`jdp train --tensorboard RUN_DIR`), and write compare.png (test accuracy and train "
+        "loss per epoch, and test accuracy against the MB each device sent; one curve per run) and compare.md, "
+        "labelling each run by the settings in which the runs differ.",
     )
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="directories written by `jdp train --out`")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                   help="directories written by `jdp train --out` or `--tensorboard`")
     p.add_argument("--out", default=".", metavar="DIR", help="where to write compare.png and compare.md")
     p.set_defaults(run=run_compare)
 
 
 def load(run_dir: str | Path) -> dict[str, Any]:
-    """RUN_DIR/history.json.
+    """RUN_DIR/history.json, or the run that `jdp train --tensorboard RUN_DIR` wrote there.
 
     Raises:
       ConfigError: if it is missing or not a `jdp train` history.
     """
     path = Path(run_dir) / "history.json"
+    if not path.exists() and any(Path(run_dir).glob("events.out.tfevents.*")):
+        from jdp.training.tensorboard import read_run
+
+        return read_run(run_dir)
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as e:

@@ -68,10 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
     train.add_argument("--model", default="lenet",
                        help="lenet (the from-scratch LeNet), lenet_flax (its Flax version), resnet18 (the lesson's "
-                       "ResNet-18 for 28x28, Flax), or a model a --plugin registered")
+                       "ResNet-18 for 28x28, Flax), a model a --plugin registered, or module:factory (a module or "
+                       ".py file and its function returning a jdp.Model, e.g. my_models.py:make_cnn)")
     train.add_argument("--batchnorm", default=None, choices=BATCHNORM,
                        help="resnet18: BatchNorm statistics synchronised over all devices (the global batch's), or "
-                       "over each device's shard; resnet18 uses sync when it is not given")
+                       "over each device's shard; resnet18 uses sync when it is not given; with --model "
+                       "module:factory, passed to the factory as batchnorm=")
     train.add_argument("--model-impl", default="fast", choices=list(IMPLEMENTATIONS),
                        help="--model lenet's formulation: fast (jdp.models.lenet_fast) or the lesson's reference; same math")
     train.add_argument("--steps-per-call", type=int, default=1, metavar="S",
@@ -87,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue from the newest intact checkpoint in --checkpoint-dir")
     train.add_argument("--check-replicas", type=int, default=None, metavar="N",
                        help="every N steps, stop unless all replicas are bit-identical")
+    train.add_argument("--tensorboard", default=None, metavar="DIR",
+                       help="write TensorBoard scalars to DIR: per-step loss and lr, per-epoch accuracy, loss, step "
+                       "time and allreduce bytes, the config as text and hparams (docs/hooks.md)")
     train.add_argument("--profile", default=None, metavar="DIR",
                        help="write a jax.profiler trace of --profile-steps to DIR (Perfetto, TensorBoard) and print "
                        "where each step's time goes: compute, communication, host")
@@ -151,7 +156,7 @@ def run_train(args: argparse.Namespace) -> int:
     from jdp import data, plot
     from jdp.runtime.devices import describe
     from jdp.training import checkpoint
-    from jdp.training.config import TrainConfig, payload_bytes
+    from jdp.training.config import TrainConfig, learning_rate, payload_bytes
     from jdp.training.loop import train
     from jdp.training.profile import Profiler, default_window, parse_steps
     from jdp.training.stragglers import Stopwatch, Straggler, format_report
@@ -173,15 +178,31 @@ def run_train(args: argparse.Namespace) -> int:
         quiet = args.no_progress or not sys.stderr.isatty()  # in a log: only the epoch lines below
         return tqdm(batches, total=total, unit="step", leave=False, disable=quiet, file=sys.stderr)
 
+    import jax
+
+    settings = {k: v for k, v in vars(args).items() if k not in ("run", "command")}  # as history.json's config
+    board = None
+    if args.tensorboard is not None and jax.process_index() == 0:  # one writer per multi-process job
+        from jdp.training.tensorboard import TensorBoardWriter
+
+        board = TensorBoardWriter(args.tensorboard, settings, learning_rate(config), payload_bytes(config))
+    # every process reads the step losses (a collective with several processes); process 0 writes them
+    on_steps = None if args.tensorboard is None else board.steps if board is not None else lambda first, losses: None
+
     def on_epoch(record):
         print(f"epoch {record.epoch:3d}  train loss {record.train_loss:.4f}  "
               f"test acc {record.test_acc:.4f}  {record.seconds:.1f} s", flush=True)
+        if board is not None:
+            board.epoch(record)
 
-    import jax
-
-    _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress,
-                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                       resume=args.resume, check_replicas=args.check_replicas, profile=profiler, stopwatch=stopwatch)
+    try:
+        _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress, on_steps=on_steps,
+                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                           resume=args.resume, check_replicas=args.check_replicas, profile=profiler,
+                           stopwatch=stopwatch)
+    finally:
+        if board is not None:
+            board.close()
     stragglers = None if stopwatch is None else stopwatch.report()  # a collective: before process 0 alone writes
     if stragglers is not None and jax.process_index() == 0:
         print(format_report(stragglers), flush=True)
@@ -196,7 +217,7 @@ def run_train(args: argparse.Namespace) -> int:
     if out is not None and jax.process_index() == 0:  # one writer per multi-process job
         payload, steps = payload_bytes(config), len(dataset.train.labels) // config.batch_size * len(history)
         record = {
-            "config": {k: v for k, v in vars(args).items() if k not in ("run", "command")},
+            "config": settings,
             "devices": describe(devices),
             "jax_version": jax.__version__,
             "epochs": [{**dataclasses.asdict(r), "bytes_sent": None if r.syncs is None else r.syncs * payload}

@@ -19,6 +19,7 @@ BatchNorm over several devices (`batchnorm`, the CLI's `--batchnorm`):
   evaluation uses one set of statistics whichever device evaluates.
 """
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -136,10 +137,77 @@ def get(name: "str | Model", **options: Any) -> Model:
     """
     if isinstance(name, Model):
         return name
+    if name not in _MODELS and ":" in name:
+        return load(name, batchnorm=options.get("batchnorm"))
     if name not in _MODELS:
-        raise ConfigError(f"`model` must be one of {', '.join(_MODELS)}, got `{name}`.")
+        raise ConfigError(f"`model` must be one of {', '.join(_MODELS)}, got `{name}`; or `module:factory` (a "
+                          "function in a module or .py file that returns a `jdp.Model`).")
     model = _MODELS[name](**options)
     return model if model.name != "custom" else model._replace(name=name)
+
+
+def load(spec: str, batchnorm: str | None = None) -> Model:
+    """The `Model` that `factory()` returns, for `spec` "module:factory" (the CLI's `--model module:factory`).
+
+    `module` is an importable module ("my_models", "pkg.models") or a Python file ("models.py",
+    "path/to/models.py"); `factory` is called with no arguments, or with `batchnorm=` when given.
+
+    Raises:
+      ConfigError: if the module cannot be imported, has no such factory, or the factory does not
+        return a `Model`.
+    """
+    where, _, attribute = spec.rpartition(":")
+    module = _import(where, spec)
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        found = ", ".join(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                          and getattr(v, "__module__", None) == module.__name__)
+        raise ConfigError(f"`model={spec}`: `{where}` has no function `{attribute}`"
+                          + (f"; it defines {found}." if found else "."))
+    options = {} if batchnorm is None else {"batchnorm": batchnorm}
+    try:
+        inspect.signature(factory).bind(**options)
+    except TypeError:
+        raise ConfigError(f"`model={spec}`: `{attribute}` has no parameter batchnorm to receive "
+                          f"`batchnorm={batchnorm}`; "
+                          "add one or drop `batchnorm`." if options else
+                          f"`model={spec}`: `{attribute}` must be callable with no arguments.") from None
+    model = factory(**options)
+    if not isinstance(model, Model):
+        raise ConfigError(f"`model={spec}`: `{attribute}()` returned a `{type(model).__name__}`, not a `jdp.Model`; "
+                          "wrap the network with `jdp.from_nnx`, `jdp.from_linen` or `jdp.from_equinox`, or "
+                          "build a `jdp.Model(init, loss, apply)`.")
+    return model if model.name != "custom" else model._replace(name=spec)
+
+
+def _import(where: str, spec: str) -> Any:
+    """The module `where` names: a dotted module name, or a `.py` file (loaded once per path)."""
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if not where.endswith(".py"):
+        try:
+            return importlib.import_module(where)
+        except ImportError as e:
+            raise ConfigError(f"`model={spec}`: `{where}` cannot be imported ({e}); put it on PYTHONPATH or name "
+                              f"its file, e.g. `model=path/to/{where.rpartition('.')[2]}.py:"
+                              f"{spec.rpartition(':')[2]}`.") from None
+    path = Path(where).resolve()
+    if not path.is_file():
+        raise ConfigError(f"`model={spec}`: there is no file `{where}`.")
+    name = f"jdp_model_file_{abs(hash(str(path)))}"
+    if name not in sys.modules:
+        loader_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module  # dataclasses and pickling look classes up by module name
+        try:
+            loader_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 def batchnorm_model(module: Any) -> Model:
@@ -167,11 +235,13 @@ def trainable(model: Model, variables: PyTree) -> PyTree:
 
 
 def average_state(variables: PyTree) -> PyTree:
-    """Per-device variables → the same with "state" averaged over the mapped device axis `AXIS`.
+    """Per-device variables → the same with "state"'s floating-point arrays averaged over the mapped axis `AXIS`.
 
-    Call inside a function mapped over the devices (`jdp.map_over_devices`); params pass through untouched.
+    Call inside a function mapped over the devices (`jdp.map_over_devices`); params pass through
+    untouched, and so do integer state arrays (an adapted model's dropout key, the same everywhere).
     """
-    return {"params": variables["params"], "state": lax.pmean(variables["state"], AXIS)}
+    average = lambda x: lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else x  # noqa: E731
+    return {"params": variables["params"], "state": jax.tree.map(average, variables["state"])}
 
 
 def _example() -> jax.Array:

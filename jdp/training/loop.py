@@ -17,7 +17,7 @@ import numpy as np
 from jdp import models
 from jdp.data import Dataset
 from jdp.errors import ConfigError, check_positive
-from jdp.parallel.layout import fetch, map_over_devices, place
+from jdp.parallel.layout import fetch, map_over_devices, place, to_host
 from jdp.parallel.step import make_train_step
 from jdp.parallel.sync import make_consensus, make_sync
 from jdp.training import checkpoint, guards
@@ -47,6 +47,7 @@ def train(
     devices: Sequence[jax.Device],
     *,
     on_epoch: Callable[[EpochRecord], None] = lambda record: None,
+    on_steps: Callable[[int, np.ndarray], None] | None = None,
     progress: Callable[[Iterable, int], Iterable] = lambda batches, total: batches,
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int | None = None,
@@ -62,6 +63,9 @@ def train(
       dataset: host arrays; batches are split over the devices each step.
       devices: where the replicas live.
       on_epoch: called with each epoch's record as soon as it is known.
+      on_steps: called before `on_epoch` with the number (from 1) of the epoch's first step run here
+        and each such step's mean per-image loss (e.g. `jdp.training.tensorboard.TensorBoardWriter.steps`).
+        With several processes, pass it on every process: the losses are gathered from all of them.
       progress: wraps each epoch's batch iterator (e.g. a progress bar); gets the step count.
       checkpoint_dir: save checkpoints here (see `jdp.training.checkpoint`); None: none.
       checkpoint_every: save every this many steps; None: at the end of every epoch.
@@ -153,9 +157,12 @@ def train(
 
     for epoch in range(keeper.epoch, config.epochs + 1):
         start = time.perf_counter()
-        state, _ = run_epoch(state, jax.random.fold_in(data_key, epoch), progress,
-                             start=keeper.batches_done, after_call=after_call)
+        state, losses = run_epoch(state, jax.random.fold_in(data_key, epoch), progress,
+                                  start=keeper.batches_done, after_call=after_call)
         seconds = time.perf_counter() - start
+        if on_steps is not None:
+            per_step = np.concatenate([to_host(loss).reshape(-1, len(devices)).sum(axis=1) for loss in losses])
+            on_steps(keeper.step - len(per_step) + 1, per_step / config.batch_size)
         if model.per_replica_state:
             state = (average(state[0])[0], state[1])
         record = EpochRecord(

@@ -37,7 +37,9 @@ PyTree = Any
 COLLECTIVE = re.compile(r"^(all[-_]reduce|all[-_]gather|reduce[-_]scatter|collective[-_]permute|all[-_]to[-_]all"
                         r"|collective[-_]broadcast|send|recv|psum|pmean|pmax|pmin|ppermute|psum_scatter|pbroadcast)"
                         r"([.-]|$)")
-_OP = re.compile(r"^[a-z][\w-]*(\.\d+)*$")  # an HLO instruction's name: fusion.3, all-reduce, ynn_fusion.9
+# An HLO instruction's name: fusion.3, all-reduce, ynn_fusion.9, and the oneDNN calls jdp's XLA flags turn
+# convolutions and matmuls into on CPU, custom-call.8.clone__onednn$convolution.
+_OP = re.compile(r"^[a-z][\w-]*(\.\d+)*(\.\w+)?(\$\w+)?$")
 
 
 class Breakdown(NamedTuple):
