@@ -201,7 +201,7 @@ def test_sync_settings_default_and_check():
     ({"sync": "diloco", "outer_momentum": 1.0}, r"`outer_momentum` must be in \[0, 1\), got 1.0"),
     ({"sync": "local-sgd", "shard_optimizer": True}, "`shard_optimizer=True` keeps one slice"),
     ({"sync": "diloco", "steps_per_call": 4}, "`steps_per_call=4` runs several steps in one call"),
-    ({"sync": "local-sgd", "model": "resnet18"}, "`model=resnet18` has state of its own"),
+    ({"sync": "local-sgd", "model": "resnet18"}, "`model=resnet18` carries state besides them"),
 ])
 def test_bad_settings_are_refused_by_name(settings, message):
     with pytest.raises(ConfigError, match=message):

@@ -90,9 +90,9 @@ class TrainConfig:
                     raise ConfigError(f"`{name}={getattr(self, name)}` {why}; `sync={sync.mode}` keeps different "
                                       f"params on each device between syncs. Drop `{name}` or use `sync=every-step`.")
             if model.stateful:
-                raise ConfigError(f"`sync={sync.mode}` averages params only; `model={_name(self.model)}` has state "
-                                  "of its own (BatchNorm statistics). Use a model without BatchNorm, or "
-                                  "`sync=every-step`.")
+                raise ConfigError(f"`sync={sync.mode}` averages params only; `model={_name(self.model)}` carries state "
+                                  "besides them (BatchNorm statistics, an adapted model's dropout key), which a local "
+                                  "mode does not sync yet. Use `sync=every-step`, or a model without state.")
 
     def build_optimizer(self) -> "optax.GradientTransformation":
         """The optax optimizer of `optimizer`, `momentum`, `weight_decay`, on the lr schedule."""
