@@ -268,3 +268,18 @@ def test_the_experiment_quick_mode_writes_its_tables(tmp_path):
     table = (tmp_path / "out" / "local-sgd.md").read_text()
     assert "| diloco-h64 |" in table and "| local-sgd-h16 | 0.05 |" in table
     assert (tmp_path / "out" / "compare.png").stat().st_size > 10_000
+
+
+def test_tensorboard_counts_bytes_per_sync(tmp_path):
+    """A local mode's bytes in TensorBoard: one payload per sync, averaged over the steps."""
+    pytest.importorskip("tensorboard")
+    from jdp.training.loop import EpochRecord
+    from jdp.training.tensorboard import TensorBoardWriter, read_scalars
+
+    board = TensorBoardWriter(tmp_path, {"sync": "local-sgd"}, 0.1, payload_bytes=100)
+    board.steps(1, [1.0] * 8)
+    board.epoch(EpochRecord(epoch=1, train_loss=1.0, test_acc=0.5, seconds=1.0, syncs=2))  # H = 4
+    board.close()
+    scalars = read_scalars(tmp_path)
+    assert scalars["comm/allreduce_bytes_total"] == [(8, 200.0)]
+    assert scalars["comm/allreduce_bytes_per_step"] == [(8, 25.0)]
