@@ -29,6 +29,14 @@ class TrainingError(JdpError, RuntimeError):
     """A run stopped because its numbers went wrong (non-finite values, replicas that diverged)."""
 
 
+class ProcessLostError(JdpError, RuntimeError):
+    """Another process of a multi-process job died or stalled; this one cannot go on alone.
+
+    The job's shutdown would wait for the lost process: end the process with `os._exit`
+    (`jdp.runtime.faults.end_process`) once the message is out.
+    """
+
+
 def check_positive(name: str, value: int, unit: str = "integer") -> None:
     """Raises ConfigError unless `value`, passed as the argument `name`, is at least 1.
 

@@ -9,11 +9,13 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from jdp.cli.errors import as_flags, option_flags
-from jdp.errors import ConfigError, JdpError
+from jdp.errors import ConfigError, JdpError, ProcessLostError
+from jdp.runtime.faults import in_job
 from jdp.flags import (
     OneLineErrorParser,
     add_backend_flag,
@@ -98,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="multi-process: address of process 0's coordination service (with --num-processes "
                        "and --process-id; none of the three inside a SLURM/MPI job: detected)")
     train.add_argument("--num-processes", type=int, default=None, help="multi-process: processes in the job")
+    train.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
+                       help="multi-process: end every process (exit status 75) when no step finished for SECONDS, "
+                       "naming the processes that did not arrive (default: 20x the slowest step seen, 60 to 600 s; "
+                       "docs/faults.md)")
     train.add_argument("--process-id", type=int, default=None, help="multi-process: this process's index, from 0")
     train.set_defaults(run=run_train)
 
@@ -132,6 +138,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     from jdp import data, plot
     from jdp.runtime.devices import describe
+    from jdp.runtime.faults import end_process
     from jdp.training import checkpoint
     from jdp.training.config import TrainConfig, payload_bytes
     from jdp.training.loop import train
@@ -159,9 +166,16 @@ def run_train(args: argparse.Namespace) -> int:
 
     import jax
 
-    _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress,
-                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                       resume=args.resume, check_replicas=args.check_replicas, profile=profiler)
+    def on_lost(line):  # a lost process: one line in this command's flags, then the exit of jdp.runtime.faults
+        end_process(as_flags(line, option_flags(build_parser(), args)))
+
+    try:
+        _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress,
+                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                           resume=args.resume, check_replicas=args.check_replicas, profile=profiler,
+                           collective_timeout=args.collective_timeout, on_lost=on_lost)
+    except ProcessLostError as e:
+        on_lost(str(e))
     test_acc = [r.test_acc for r in history]
     sec_per_epoch = sum(r.seconds for r in history) / len(history)
     print(f"test acc: {test_acc[-1]:.2f}, {sec_per_epoch:.1f} sec/epoch on [{', '.join(describe(devices))}]")
@@ -194,17 +208,33 @@ def run_launch(args: argparse.Namespace) -> int:
     return launch(job, args.num_processes, args.cpu_devices_per_process, timeout=args.timeout)
 
 
+class _ToStderr(logging.StreamHandler):
+    """A handler on whatever `sys.stderr` is when it writes (a multi-process job reopens it, see `setup_devices`)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     log = logging.getLogger("jdp")
-    notes, level = logging.StreamHandler(sys.stderr), log.level
+    notes, level = _ToStderr(), log.level
     log.addHandler(notes)  # jdp's notes (resuming, a skipped damaged checkpoint) go to stderr
     log.setLevel(logging.INFO)
     try:
         return args.run(args)
     except JdpError as e:  # the library names Python arguments; here they are this command's flags
         print(f"jdp: error: {as_flags(str(e), option_flags(parser, args))}", file=sys.stderr)
+        if in_job():  # the job's shutdown would wait for the processes still training
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         return 2
     finally:
         log.removeHandler(notes)

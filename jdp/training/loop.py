@@ -15,9 +15,10 @@ import jax
 
 from jdp import models
 from jdp.data import Dataset
-from jdp.errors import check_positive
+from jdp.errors import ConfigError, JdpError, check_positive
 from jdp.parallel.layout import map_over_devices, replicate, unreplicate
 from jdp.parallel.step import make_train_step
+from jdp.runtime import faults
 from jdp.training import checkpoint, guards
 from jdp.training.config import TrainConfig
 from jdp.training.evaluate import make_evaluator
@@ -49,6 +50,8 @@ def train(
     resume: bool = False,
     check_replicas: int | None = None,
     profile: Profiler | None = None,
+    collective_timeout: float | None = None,
+    on_lost: Callable[[str], None] = faults.end_process,
 ) -> tuple[PyTree, list[EpochRecord]]:
     """Trains `config.model` (the lesson's LeNet by default, or your own `Model`) data-parallel on `devices`.
 
@@ -63,6 +66,10 @@ def train(
       resume: continue from the newest intact checkpoint in `checkpoint_dir`, if any.
       check_replicas: every this many steps, stop unless all replicas are bit-identical.
       profile: traces its steps and measures their breakdown (`profile.breakdown` after the run).
+      collective_timeout: with several processes, give the job up when no step finished for this
+        many seconds (None: automatic, see `jdp.runtime.faults.collective_limit`).
+      on_lost: with several processes, called with the line naming a stalled process; it must end
+        this process, whose main thread waits inside a collective (default: print it, exit 75).
 
     Returns:
       (params, history): the first replica's params and one record per epoch (with a resumed
@@ -71,11 +78,14 @@ def train(
     Raises:
       ConfigError: for a setting that does not fit the data or devices, or a checkpoint this run cannot resume.
       TrainingError: on a non-finite loss or update, or replicas that diverged (see `jdp.training.guards`).
+      ProcessLostError: when a collective failed because another process of the job died.
     """
     config.check_fits(len(dataset.train.labels), len(devices))
     checkpoint.check_options(checkpoint_dir, checkpoint_every, resume)
     if check_replicas is not None:
         check_positive("check_replicas", check_replicas, "number of steps")
+    if collective_timeout is not None and not collective_timeout > 0:
+        raise ConfigError(f"`collective_timeout` must be a positive number of seconds, got {collective_timeout}.")
     init_key, data_key = jax.random.split(jax.random.key(config.seed))
     optimizer = config.build_optimizer()  # the lesson's SGD by default, on the full batch's mean gradient
     model = config.build_model()
@@ -84,6 +94,7 @@ def train(
     if profile is not None:
         check_window(profile.first, profile.last, steps_per_epoch * config.epochs)
     strategy = config.strategy()
+    job = faults.JobWatch(collective_timeout, on_lost)  # a no-op with one process
     opt = config.opt_state(models.trainable(model, params), len(devices))
     keeper = Keeper(
         checkpoint_dir, checkpoint_every,
@@ -92,7 +103,7 @@ def train(
         steps_per_epoch, guards.Watch(params, check_replicas, same=_same_on_every_device(model),
                                       same_opt_state=opt.replicated_part),
         lambda tree: unreplicate(tree, config.backend), jax.random.key_data(data_key),
-        opt_host_copy=lambda state: opt.to_host(state, config.backend),
+        opt_host_copy=lambda state: opt.to_host(state, config.backend), job=job,
     )
     arrays = {"params": params, "opt_state": opt.init(models.trainable(model, params), jax.random.fold_in(init_key, 1)),
               "data_key": keeper.data_key}
@@ -118,22 +129,29 @@ def train(
             keeper.after_call(steps, state, losses)
             profile.at(keeper.step, state)
 
-    for epoch in range(keeper.epoch, config.epochs + 1):
-        start = time.perf_counter()
-        state, _ = run_epoch(state, jax.random.fold_in(data_key, epoch), progress,
-                             start=keeper.batches_done, after_call=after_call)
-        seconds = time.perf_counter() - start
-        if model.per_replica_state:
-            state = (average(state[0])[0], state[1])
-        record = EpochRecord(
-            epoch=epoch,
-            train_loss=float(keeper.epoch_loss()) / (steps_per_epoch * config.batch_size),
-            test_acc=evaluate(state[0], dataset.test.images, dataset.test.labels),
-            seconds=seconds,
-        )
-        keeper.end_epoch(state, dataclasses.asdict(record), last=epoch == config.epochs)
-        on_epoch(record)
-    return unreplicate(state[0], config.backend), [EpochRecord(**r) for r in keeper.history]
+    try:
+        for epoch in range(keeper.epoch, config.epochs + 1):
+            start = time.perf_counter()
+            state, _ = run_epoch(state, jax.random.fold_in(data_key, epoch), progress,
+                                 start=keeper.batches_done, after_call=after_call)
+            seconds = time.perf_counter() - start
+            if model.per_replica_state:
+                state = (average(state[0])[0], state[1])
+            record = EpochRecord(
+                epoch=epoch,
+                train_loss=float(keeper.epoch_loss()) / (steps_per_epoch * config.batch_size),
+                test_acc=evaluate(state[0], dataset.test.images, dataset.test.labels),
+                seconds=seconds,
+            )
+            keeper.end_epoch(state, dataclasses.asdict(record), last=epoch == config.epochs)
+            on_epoch(record)
+        return unreplicate(state[0], config.backend), [EpochRecord(**r) for r in keeper.history]
+    except (RuntimeError, ValueError) as e:  # JaxRuntimeError, or ValueError from process_allgather
+        if job.active and not isinstance(e, JdpError) and faults.transport_failure(str(e)):  # a process died
+            raise job.lost(f"a collective failed ({faults.error_gist(e)})") from None
+        raise
+    finally:
+        job.close()
 
 
 def _same_on_every_device(model: models.Model) -> Callable[[PyTree], PyTree]:
