@@ -123,11 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
         "launch", help="run a multi-process job on this machine over loopback (simulated CPU devices)",
         description="Start P processes of COMMAND on 127.0.0.1, each with its own --process-id, "
         "forward their output prefixed [pI], and stop them all as soon as one fails.",
-        usage="jdp launch --num-processes P --cpu-devices-per-process N [--timeout S] -- jdp train ...",
+        usage="jdp launch --num-processes P --cpu-devices-per-process N [--timeout S] [--max-restarts N] "
+        "-- jdp train ...",
     )
     launch.add_argument("--num-processes", type=int, required=True, help="processes to start")
     launch.add_argument("--cpu-devices-per-process", type=int, default=1, help="CPU devices each one simulates")
     launch.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
+    launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="when a process fails, stop the job and start all processes again with --resume from "
+                        "the newest complete checkpoint, up to N times (the command needs --checkpoint-dir)")
     launch.add_argument("job", nargs=argparse.REMAINDER, help="-- and the command, e.g. -- jdp train --epochs 1")
     launch.set_defaults(run=run_launch)
     return parser
@@ -205,7 +209,8 @@ def run_launch(args: argparse.Namespace) -> int:
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
     if not job:
         raise ConfigError("`jdp launch` needs a command after `--`, e.g. `jdp launch --num-processes 2 -- jdp train`.")
-    return launch(job, args.num_processes, args.cpu_devices_per_process, timeout=args.timeout)
+    return launch(job, args.num_processes, args.cpu_devices_per_process, timeout=args.timeout,
+                  max_restarts=args.max_restarts)
 
 
 class _ToStderr(logging.StreamHandler):
