@@ -14,6 +14,7 @@ repeats (bad input, non-finite values). On a real cluster, the cluster's own lau
 """
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TextIO
 
 from jdp.errors import ConfigError, check_positive
@@ -110,14 +112,34 @@ def launch(
                  "from the newest complete checkpoint.", stderr, lock)
             time.sleep(RESTART_WAIT_S)
             continue
-        _say(f"{failed}.", stderr, lock)
+        _say(f"{failed}{_how_to_go_on(command, num_processes, cpu_devices_per_process)}.", stderr, lock)
         return code if code > 0 else 1
     raise AssertionError("unreachable: the last attempt returns")
+
+
+def _how_to_go_on(command: Sequence[str], num_processes: int, cpu_devices: int) -> str:
+    """"; go on from the newest checkpoint in DIR with `jdp launch ... --resume`", for a command that saves them."""
+    directory = _value(command, "--checkpoint-dir")
+    if directory is None:
+        return ""
+    again = ["jdp", "launch", "--num-processes", str(num_processes), "--cpu-devices-per-process", str(cpu_devices),
+             "--", *with_resume(command)]
+    return f"; go on from the newest checkpoint in {directory} with `{shlex.join(again)}`"
 
 
 def with_resume(command: Sequence[str]) -> list[str]:
     """`command` with `--resume` appended, unless it has it already."""
     return list(command) if _has(command, "--resume") else [*command, "--resume"]
+
+
+def _value(command: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` in `command` (`--flag VALUE` or `--flag=VALUE`), None if not there."""
+    for i, arg in enumerate(command):
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+        if arg == flag and i + 1 < len(command):
+            return command[i + 1]
+    return None
 
 
 def _has(command: Sequence[str], flag: str) -> bool:
@@ -158,18 +180,31 @@ def _watch(procs: Sequence[subprocess.Popen], deadline: float | None) -> tuple[i
     """Waits until all exit 0 (→ None), one fails (→ (index, status)) or time runs out (→ (None, 1)).
 
     Of several failed at once, the first not to exit with `EXIT_PROCESS_LOST` is named: the others
-    only noticed its loss.
+    only noticed its loss. If only such witnesses exited, a process stopped by a signal (SIGSTOP) is
+    named, as (index, −SIGSTOP).
     """
     while True:
         codes = [proc.poll() for proc in procs]
         failed = [(index, code) for index, code in enumerate(codes) if code not in (None, 0)]
         if failed:
-            return min(failed, key=lambda failure: failure[1] == EXIT_PROCESS_LOST)
+            cause = min(failed, key=lambda failure: failure[1] == EXIT_PROCESS_LOST)
+            if cause[1] == EXIT_PROCESS_LOST:
+                stopped = [i for i, proc in enumerate(procs) if codes[i] is None and _is_stopped(proc.pid)]
+                return (stopped[0], -signal.SIGSTOP) if stopped else cause
+            return cause
         if all(code == 0 for code in codes):
             return None
         if deadline is not None and time.monotonic() > deadline:
             return None, 1
         time.sleep(0.05)
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (Linux's /proc; False where it cannot be told)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
 
 
 def _stop(procs: Sequence[subprocess.Popen]) -> None:
@@ -205,6 +240,8 @@ def _say(message: str, target: TextIO, lock: threading.Lock) -> None:
 
 
 def _describe(code: int) -> str:
+    if code == -signal.SIGSTOP:
+        return "stopped by SIGSTOP, not responding"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
