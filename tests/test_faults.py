@@ -93,6 +93,14 @@ def test_the_line_names_the_process_the_step_the_checkpoint_and_how_to_go_on():
     assert "no checkpoint was saved" in faults.describe_loss("x", [1], [], {}, 2, 9, None)
 
 
+def test_the_stall_names_the_limit_it_broke():
+    assert faults.stall_cause(10.4, 10, True, 10) == "no step finished for 10 s (`collective_timeout=10`)"
+    assert faults.stall_cause(61, None, True, 60) == \
+        "no step finished for 61 s (the automatic limit of 60 s, see `collective_timeout`)"
+    assert faults.stall_cause(301, 10, False, 300) == \
+        "no step finished for 301 s (the start-up limit of 300 s: the first step compiles)"
+
+
 def test_with_one_process_the_watch_does_nothing():
     job = faults.JobWatch(timeout=0.01, on_loss=lambda line: pytest.fail(line))
     assert not job.active

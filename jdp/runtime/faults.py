@@ -93,6 +93,17 @@ def lost_processes(before: dict[int, dict[str, Any]], after: dict[int, dict[str,
     return stopped, [p for p in running if after[p]["step"] < top]
 
 
+def stall_cause(waited: float, timeout: float | None, started: bool, limit: float) -> str:
+    """What the watchdog saw: how long no step finished, and which limit that broke."""
+    if not started:
+        which = f"the start-up limit of {limit:g} s: the first step compiles"
+    elif timeout is not None:
+        which = f"`collective_timeout={timeout:g}`"
+    else:
+        which = f"the automatic limit of {limit:g} s, see `collective_timeout`"
+    return f"no step finished for {waited:.0f} s ({which})"
+
+
 def describe_loss(cause: str, stopped: list[int], behind: list[int], board: dict[int, dict[str, Any]],
                   process_count: int, step: int, checkpoint: str | None) -> str:
     """The one line: which processes, what happened, the step, the last checkpoint and how to go on.
@@ -236,14 +247,17 @@ class JobWatch:
 
     def _describe(self, cause: str) -> str:
         before = self._board()
+        if before is None:  # the coordinator is gone or stopped: nobody can be told apart
+            return describe_loss(cause, [], [], {}, self.process_count, self.step, self.checkpoint)
         time.sleep(1.5 * PUBLISH_S)
-        after = self._board()
+        after = self._board() or {}
         stopped, behind = lost_processes(before, after, self.process_count) if after else ([], [])
         return describe_loss(cause, stopped, behind, after, self.process_count, self.step, self.checkpoint)
 
-    def _board(self) -> dict[int, dict[str, Any]]:
-        entries = _within(READ_S, lambda: _client().key_value_dir_get(_KEY)) or []
-        return {int(key.rsplit("/", 1)[1]): json.loads(value) for key, value in entries}
+    def _board(self) -> dict[int, dict[str, Any]] | None:
+        """What every process published last (process id -> progress), None if the coordinator did not answer."""
+        entries = _within(READ_S, lambda: _client().key_value_dir_get(_KEY))
+        return None if entries is None else {int(key.rsplit("/", 1)[1]): json.loads(value) for key, value in entries}
 
     def _publish(self) -> None:
         while not self._stop.wait(PUBLISH_S):
@@ -255,8 +269,7 @@ class JobWatch:
         while not self._stop.wait(0.25):
             waited = time.monotonic() - self._last_beat
             if waited > self.limit():
-                self.on_loss(self._describe(
-                    f"no step finished for {waited:.0f} s (`collective_timeout={self.limit():g}`)"))
+                self.on_loss(self._describe(stall_cause(waited, self.timeout, self._beats > 0, self.limit())))
                 return
 
 
