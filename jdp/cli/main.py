@@ -100,11 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="multi-process: address of process 0's coordination service (with --num-processes "
                        "and --process-id; none of the three inside a SLURM/MPI job: detected)")
     train.add_argument("--num-processes", type=int, default=None, help="multi-process: processes in the job")
+    train.add_argument("--process-id", type=int, default=None, help="multi-process: this process's index, from 0")
     train.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
                        help="multi-process: end every process (exit status 75) when no step finished for SECONDS, "
                        "naming the processes that did not arrive (default: 20x the slowest step seen, 60 to 600 s; "
                        "docs/faults.md)")
-    train.add_argument("--process-id", type=int, default=None, help="multi-process: this process's index, from 0")
     train.set_defaults(run=run_train)
 
     bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side in one run")
