@@ -30,6 +30,8 @@ from typing import Any
 
 import jax
 
+from jdp.errors import ProcessLostError
+
 EXIT_PROCESS_LOST = 75  # sysexits' EX_TEMPFAIL: nothing wrong with the input, a rerun with --resume goes on
 STARTUP_S = 300.0  # the limit until the first step finished (compilation; jax.distributed's own start-up limit)
 AUTO_FLOOR_S = 60.0  # the automatic collective timeout's least value
@@ -235,13 +237,12 @@ class JobWatch:
         multihost_utils.sync_global_devices(f"jdp checkpoint of step {step}")
         self.beat(self.step)
 
-    def lost(self, cause: str) -> "ProcessLostError":
+    def lost(self, cause: str) -> ProcessLostError:
         """The error to raise when this process noticed the loss itself (a failed collective)."""
-        from jdp.errors import ProcessLostError
-
         return ProcessLostError(self._describe(cause))
 
     def close(self) -> None:
+        """Stops publishing and watching (the run is over)."""
         self._stop.set()
 
     def _describe(self, cause: str) -> str:
