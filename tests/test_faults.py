@@ -119,6 +119,36 @@ def test_the_published_step_time_is_the_mean_over_recent_steps(monkeypatch):
     assert job.limit() == faults.AUTO_FLOOR_S  # the compiling call does not count as a slow step
 
 
+class Store:
+    """The coordination service's key-value store, in memory."""
+
+    def __init__(self):
+        self.kv = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.kv[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(key, value) for key, value in self.kv.items() if key.startswith(prefix)]
+
+
+def test_process_0_ends_only_after_the_processes_still_running(monkeypatch):
+    """Its exit takes the coordination service along, and JAX aborts a process that loses it."""
+    store = Store()
+    monkeypatch.setattr(faults, "_client", lambda: store)
+    job = faults.JobWatch()
+    job.process_id, job.process_count = 0, 3
+    threading.Timer(0.5, store.key_value_set, ("jdp/ended/1", "1")).start()
+    start = time.monotonic()
+    job._leave(stopped=[2])  # process 2 is gone: only process 1 is waited for
+    assert 0.5 <= time.monotonic() - start < faults.LEAVE_S
+    assert store.kv["jdp/ended/0"] == "1"
+    job.process_id = 1
+    start = time.monotonic()
+    job._leave(stopped=[2])  # any other process says so and goes
+    assert time.monotonic() - start < 0.5 and store.kv["jdp/ended/1"] == "1"
+
+
 # --- checkpoints: written only once every process reached them --------------------------------------
 
 class Unreached:

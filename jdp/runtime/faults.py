@@ -40,7 +40,9 @@ AUTO_CAP_S = 600.0  # ... and its greatest value
 PUBLISH_S = 1.0  # how often each process publishes its progress
 READ_S = 3.0  # how long reading the other processes' progress may take (the coordinator may be stopped)
 RECENT = 20  # beats the published step time is averaged over
+LEAVE_S = 5.0  # how long process 0, ending, waits for the others to end first (they need its coordinator)
 _KEY = "jdp/progress/"
+_ENDED = "jdp/ended/"
 
 
 def collective_limit(timeout: float | None, slowest: float | None) -> float:
@@ -252,7 +254,19 @@ class JobWatch:
         time.sleep(1.5 * PUBLISH_S)
         after = self._board() or {}
         stopped, behind = lost_processes(before, after, self.process_count) if after else ([], [])
+        self._leave(stopped)
         return describe_loss(cause, stopped, behind, after, self.process_count, self.step, self.checkpoint)
+
+    def _leave(self, stopped: list[int]) -> None:
+        """Says that this process ends. Process 0 first waits (at most LEAVE_S) for every process still
+        running to say so: its exit takes the coordination service along, and JAX aborts a process
+        that loses it before that process could print its own line."""
+        _within(READ_S, lambda: _client().key_value_set(f"{_ENDED}{self.process_id}", "1", allow_overwrite=True))
+        waiting, deadline = set(range(1, self.process_count)) - set(stopped), time.monotonic() + LEAVE_S
+        while self.process_id == 0 and waiting and time.monotonic() < deadline:
+            ended = _within(READ_S, lambda: _client().key_value_dir_get(_ENDED)) or []
+            waiting -= {int(key.rsplit("/", 1)[1]) for key, _ in ended}
+            time.sleep(0.1)
 
     def _board(self) -> dict[int, dict[str, Any]] | None:
         """What every process published last (process id -> progress), None if the coordinator did not answer."""
