@@ -96,7 +96,8 @@ def launch(
                           "needs `--checkpoint-dir DIR` (and `--checkpoint-every STEPS` to lose no more than that).")
     lock = threading.Lock()
     deadline = None if timeout is None else time.monotonic() + timeout
-    for attempt in range(max_restarts + 1):
+    attempt = 0
+    while True:
         run = command if attempt == 0 else with_resume(command)
         pids, failure = _run_job(run, num_processes, cpu_devices_per_process, deadline, stdout, stderr, lock)
         if failure is None:
@@ -107,14 +108,13 @@ def launch(
             return 1
         failed = f"process {index} (pid {pids[index]}) failed: {_describe(code)}; " \
                  f"stopped the other {num_processes - 1} process(es)"
-        if attempt < max_restarts and code != NOT_RESTARTED:
-            _say(f"{failed}; restart {attempt + 1} of {max_restarts}: all {num_processes} processes with --resume, "
-                 "from the newest complete checkpoint.", stderr, lock)
-            time.sleep(RESTART_WAIT_S)
-            continue
-        _say(f"{failed}{_how_to_go_on(command, num_processes, cpu_devices_per_process)}.", stderr, lock)
-        return code if code > 0 else 1
-    raise AssertionError("unreachable: the last attempt returns")
+        if attempt == max_restarts or code == NOT_RESTARTED:
+            _say(f"{failed}{_how_to_go_on(command, num_processes, cpu_devices_per_process)}.", stderr, lock)
+            return code if code > 0 else 1
+        attempt += 1
+        _say(f"{failed}; restart {attempt} of {max_restarts}: all {num_processes} processes with --resume, "
+             "from the newest complete checkpoint.", stderr, lock)
+        time.sleep(RESTART_WAIT_S)
 
 
 def _how_to_go_on(command: Sequence[str], num_processes: int, cpu_devices: int) -> str:
