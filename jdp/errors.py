@@ -32,8 +32,8 @@ class TrainingError(JdpError, RuntimeError):
 class ProcessLostError(JdpError, RuntimeError):
     """Another process of a multi-process job died or stalled; this one cannot go on alone.
 
-    The job's shutdown would wait for the lost process: end the process with `os._exit`
-    (`jdp.runtime.faults.end_process`) once the message is out.
+    The CLI prints it as one line too, but exits with status 75 (`jdp.runtime.faults.EXIT_PROCESS_LOST`),
+    through `os._exit`: the job's shutdown would wait for the lost process.
     """
 
 
