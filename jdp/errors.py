@@ -29,6 +29,14 @@ class TrainingError(JdpError, RuntimeError):
     """A run stopped because its numbers went wrong (non-finite values, replicas that diverged)."""
 
 
+class ProcessLostError(JdpError, RuntimeError):
+    """Another process of a multi-process job died or stalled; this one cannot go on alone.
+
+    The CLI prints it as one line too, but exits with status 75 (`jdp.runtime.faults.EXIT_PROCESS_LOST`),
+    through `os._exit`: the job's shutdown would wait for the lost process.
+    """
+
+
 def check_positive(name: str, value: int, unit: str = "integer") -> None:
     """Raises ConfigError unless `value`, passed as the argument `name`, is at least 1.
 

@@ -9,6 +9,7 @@ prints as the flags (`--plugin ...`, `--out ...`), as for every `jdp.errors.JdpE
 import argparse
 import importlib
 import os
+import tempfile
 from pathlib import Path
 
 from jdp.errors import ConfigError, DeviceError, check_positive
@@ -86,7 +87,7 @@ def load_plugins(modules: list[str]) -> None:
 def setup_devices(args: argparse.Namespace) -> list:
     """Sets XLA flags and simulated CPU devices, joins a multi-process job if there is one, then
     selects the devices (this is where JAX starts): with several processes, `--devices` of each."""
-    from jdp.runtime import devices, distributed, xla_flags
+    from jdp.runtime import devices, distributed, faults, xla_flags
 
     for name in ("cpu_devices", "devices"):  # the library calls them `n` and `count`: named here as the flags
         if getattr(args, name) is not None:
@@ -95,13 +96,21 @@ def setup_devices(args: argparse.Namespace) -> list:
     if args.cpu_devices is not None:
         devices.simulate_cpu_devices(args.cpu_devices)
     job = [getattr(args, name, None) for name in ("coordinator", "num_processes", "process_id")]
-    distributed.initialize(*job)
+    if job[0] is not None or (not any(v is not None for v in job) and distributed.cluster_detected()):
+        faults.send_native_logs_to(native_log_path(getattr(args, "out", None), job[2]))
+    distributed.initialize(*job, heartbeat_s=faults.heartbeat_seconds(getattr(args, "collective_timeout", None)))
     try:
         return devices.select_devices(args.devices)
     except DeviceError as e:  # `count=K` ... `simulate_cpu_devices(K)`: the flags that set them
         k = args.devices
         raise DeviceError(str(e).replace(f"`count={k}`", f"`devices={k}`")
                           .replace(f"`simulate_cpu_devices({k})`", f"`cpu_devices={k}`")) from None
+
+
+def native_log_path(out: str | None, process_id: int | None) -> Path:
+    """Where a multi-process job's C++ logs (XLA's, gloo's) go: `--out`, else the temporary directory."""
+    folder = Path(out) if out is not None and Path(out).is_dir() else Path(tempfile.gettempdir())
+    return folder / f"jdp-native-p{process_id if process_id is not None else os.getpid()}.log"
 
 
 def check_out_dir(out: str | None) -> Path | None:

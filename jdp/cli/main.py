@@ -9,11 +9,12 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from jdp.cli.errors import as_flags, option_flags
-from jdp.errors import ConfigError, JdpError
+from jdp.errors import ConfigError, JdpError, ProcessLostError
 from jdp.flags import (
     OneLineErrorParser,
     add_backend_flag,
@@ -24,6 +25,7 @@ from jdp.flags import (
     load_plugins,
     setup_devices,
 )
+from jdp.runtime.faults import in_job
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "and --process-id; none of the three inside a SLURM/MPI job: detected)")
     train.add_argument("--num-processes", type=int, default=None, help="multi-process: processes in the job")
     train.add_argument("--process-id", type=int, default=None, help="multi-process: this process's index, from 0")
+    train.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
+                       help="multi-process: end every process (exit status 75) when no step finished for SECONDS, "
+                       "naming the processes that did not arrive (default: 20x the slowest step seen, 60 to 600 s; "
+                       "docs/faults.md)")
     train.set_defaults(run=run_train)
 
     bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side in one run")
@@ -140,11 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
         "launch", help="run a multi-process job on this machine over loopback (simulated CPU devices)",
         description="Start P processes of COMMAND on 127.0.0.1, each with its own --process-id, "
         "forward their output prefixed [pI], and stop them all as soon as one fails.",
-        usage="jdp launch --num-processes P --cpu-devices-per-process N [--timeout S] -- jdp train ...",
+        usage="jdp launch --num-processes P --cpu-devices-per-process N [--timeout S] [--max-restarts N] "
+        "-- jdp train ...",
     )
     launch.add_argument("--num-processes", type=int, required=True, help="processes to start")
     launch.add_argument("--cpu-devices-per-process", type=int, default=1, help="CPU devices each one simulates")
     launch.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
+    launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="when a process fails, stop the job and start all processes again with --resume from "
+                        "the newest complete checkpoint, up to N times (the command needs --checkpoint-dir)")
     launch.add_argument("job", nargs=argparse.REMAINDER, help="-- and the command, e.g. -- jdp train --epochs 1")
     launch.set_defaults(run=run_launch)
     return parser
@@ -155,6 +165,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     from jdp import data, plot
     from jdp.runtime.devices import describe
+    from jdp.runtime.faults import end_process
     from jdp.training import checkpoint
     from jdp.training.config import TrainConfig, learning_rate, payload_bytes
     from jdp.training.loop import train
@@ -195,11 +206,16 @@ def run_train(args: argparse.Namespace) -> int:
         if board is not None:
             board.epoch(record)
 
+    def on_lost(line):  # a lost process: one line in this command's flags, then the exit of jdp.runtime.faults
+        end_process(as_flags(line, option_flags(build_parser(), args)))
+
     try:
         _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress, on_steps=on_steps,
                            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                            resume=args.resume, check_replicas=args.check_replicas, profile=profiler,
-                           stopwatch=stopwatch)
+                           stopwatch=stopwatch, collective_timeout=args.collective_timeout, on_lost=on_lost)
+    except ProcessLostError as e:
+        on_lost(str(e))
     finally:
         if board is not None:
             board.close()
@@ -240,20 +256,37 @@ def run_launch(args: argparse.Namespace) -> int:
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
     if not job:
         raise ConfigError("`jdp launch` needs a command after `--`, e.g. `jdp launch --num-processes 2 -- jdp train`.")
-    return launch(job, args.num_processes, args.cpu_devices_per_process, timeout=args.timeout)
+    return launch(job, args.num_processes, args.cpu_devices_per_process, timeout=args.timeout,
+                  max_restarts=args.max_restarts)
+
+
+class _ToStderr(logging.StreamHandler):
+    """A handler on whatever `sys.stderr` is when it writes (a multi-process job reopens it, see `setup_devices`)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     log = logging.getLogger("jdp")
-    notes, level = logging.StreamHandler(sys.stderr), log.level
+    notes, level = _ToStderr(), log.level
     log.addHandler(notes)  # jdp's notes (resuming, a skipped damaged checkpoint) go to stderr
     log.setLevel(logging.INFO)
     try:
         return args.run(args)
     except JdpError as e:  # the library names Python arguments; here they are this command's flags
         print(f"jdp: error: {as_flags(str(e), option_flags(parser, args))}", file=sys.stderr)
+        if in_job():  # the job's shutdown would wait for the processes still training
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         return 2
     finally:
         log.removeHandler(notes)

@@ -35,6 +35,7 @@ def initialize(
     process_id: int | None = None,
     *,
     environ: dict[str, str] | None = None,
+    heartbeat_s: int | None = None,
 ) -> bool:
     """Joins the multi-process job described by the arguments or, without any, by the cluster.
 
@@ -47,6 +48,9 @@ def initialize(
       num_processes: how many processes take part (`--num-processes`).
       process_id: this process's index in [0, num_processes) (`--process-id`).
       environ: the environment to inspect for a cluster (default: os.environ).
+      heartbeat_s: seconds after which the coordination service declares a silent process dead and
+        aborts the others (None: JAX's default, 100); `jdp.runtime.faults.heartbeat_seconds` keeps
+        it above the collective timeout, so that jdp's one line comes first.
 
     Returns:
       True if jax.distributed was initialised (more than one process), False for a single process.
@@ -64,7 +68,7 @@ def initialize(
     if not given:
         if not cluster_detected(environ):
             return False
-        return _initialize({})
+        return _initialize({}, heartbeat_s)
     if given != set(job):
         missing = ", ".join(f"`{name}`" for name in job if name not in given)
         raise ConfigError(
@@ -78,10 +82,11 @@ def initialize(
         raise ConfigError(
             f"`process_id={process_id}` must be in [0, {num_processes}) for `num_processes={num_processes}`."
         )
-    return _initialize(dict(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id))
+    return _initialize(dict(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id),
+                       heartbeat_s)
 
 
-def _initialize(kwargs: dict[str, Any]) -> bool:
+def _initialize(kwargs: dict[str, Any], heartbeat_s: int | None) -> bool:
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
@@ -90,7 +95,7 @@ def _initialize(kwargs: dict[str, Any]) -> bool:
             "before any JAX computation."
         )
     try:
-        jax.distributed.initialize(**kwargs)
+        jax.distributed.initialize(**kwargs, **({} if heartbeat_s is None else {"heartbeat_timeout_seconds": heartbeat_s}))
     except (RuntimeError, ValueError) as e:
         where = kwargs.get("coordinator_address", "the cluster's coordinator")
         raise DeviceError(f"Could not join the multi-process job at {where}: {e}") from None

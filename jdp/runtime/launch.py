@@ -3,12 +3,18 @@
 It starts P copies of a command, each told its place in the job by appended flags
 (`--coordinator 127.0.0.1:PORT --num-processes P --process-id I --cpu-devices N`), forwards their
 output line by line with a `[pI]` prefix, and watches them. Once one process fails, the others
-would wait forever for it inside a collective, so they are stopped and the launcher exits non-zero
-naming the failed process. Interrupting the launcher (Ctrl-C, SIGTERM) stops them as well. On a real cluster, the cluster's own launcher (`srun`, `mpirun`) plays
-this part; see the README, "Beyond one process".
+would wait for it inside a collective, so they are stopped and the launcher exits non-zero
+naming the failed process. Interrupting the launcher (Ctrl-C, SIGTERM) stops them as well.
+
+With `max_restarts` (`--max-restarts N`, as torchrun's elastic agent), a failed job is started
+again, all P processes with `--resume` appended, from the newest complete checkpoint in the
+command's `--checkpoint-dir`, up to N times. Not after exit status 2: jdp's errors that a rerun
+repeats (bad input, non-finite values). On a real cluster, the cluster's own launcher (`srun`,
+`mpirun`) plays this part; see the README, "Beyond one process", and docs/faults.md.
 """
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -16,13 +22,17 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TextIO
 
 from jdp.errors import ConfigError, check_positive
+from jdp.runtime.faults import EXIT_PROCESS_LOST
 
 HOST = "127.0.0.1"
 JOB_FLAGS = ("--coordinator", "--num-processes", "--process-id", "--cpu-devices")
 STOP_GRACE_S = 5.0  # how long a stopped process may take to exit on SIGTERM before SIGKILL
+RESTART_WAIT_S = 1.0  # pause between stopping a failed job and starting it again
+NOT_RESTARTED = 2  # jdp's exit status for errors a rerun repeats (bad input, non-finite values)
 
 
 def free_port(host: str = HOST) -> int:
@@ -46,6 +56,7 @@ def launch(
     cpu_devices_per_process: int,
     *,
     timeout: float | None = None,
+    max_restarts: int = 0,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
 ) -> int:
@@ -55,7 +66,10 @@ def launch(
       command: the program and its arguments, e.g. ["jdp", "train", "--backend", "shard_map"].
       num_processes: P, the number of processes.
       cpu_devices_per_process: CPU devices each process simulates (`--cpu-devices`).
-      timeout: seconds after which every process still running is stopped (None: no limit).
+      timeout: seconds after which every process still running is stopped (None: no limit); the
+        limit covers all restarts.
+      max_restarts: how many times a failed job is started again with `--resume` (not after exit
+        status 2); the command must then have `--checkpoint-dir`.
       stdout, stderr: where the prefixed output goes (default: sys.stdout, sys.stderr).
 
     Returns:
@@ -63,20 +77,80 @@ def launch(
       by a signal or the job timed out), after stopping all the others.
 
     Raises:
-      ConfigError: for an empty command, P or N below 1, or a command that sets the job flags itself.
+      ConfigError: for an empty command, P or N below 1, a command that sets the job flags itself,
+        or restarts of a command without `--checkpoint-dir`.
     """
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     if not command:
         raise ConfigError('`command` is empty: pass the program and its arguments, e.g. ["jdp", "train"].')
     check_positive("num_processes", num_processes)
     check_positive("cpu_devices_per_process", cpu_devices_per_process)
-    clash = [flag for flag in JOB_FLAGS if any(arg == flag or arg.startswith(flag + "=") for arg in command)]
+    if max_restarts < 0:
+        raise ConfigError(f"`max_restarts` must be >= 0, got {max_restarts}.")
+    clash = [flag for flag in JOB_FLAGS if _has(command, flag)]
     if clash:
         raise ConfigError(f"The launched command must not set {', '.join(f'`{f}`' for f in clash)}: "
                           "`jdp launch` appends them for each process. Remove them.")
+    if max_restarts and not _has(command, "--checkpoint-dir"):
+        raise ConfigError(f"`max_restarts={max_restarts}` restarts the job from its newest checkpoint: the command "
+                          "needs `--checkpoint-dir DIR` (and `--checkpoint-every STEPS` to lose no more than that).")
+    lock = threading.Lock()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    attempt = 0
+    while True:
+        run = command if attempt == 0 else with_resume(command)
+        pids, failure = _run_job(run, num_processes, cpu_devices_per_process, deadline, stdout, stderr, lock)
+        if failure is None:
+            return 0
+        index, code = failure
+        if index is None:
+            _say(f"the job timed out after {timeout:g} s; stopped all {num_processes} processes.", stderr, lock)
+            return 1
+        failed = f"process {index} (pid {pids[index]}) failed: {_describe(code)}; " \
+                 f"stopped the other {num_processes - 1} process(es)"
+        if attempt == max_restarts or code == NOT_RESTARTED:
+            _say(f"{failed}{_how_to_go_on(command, num_processes, cpu_devices_per_process)}.", stderr, lock)
+            return code if code > 0 else 1
+        attempt += 1
+        _say(f"{failed}; restart {attempt} of {max_restarts}: all {num_processes} processes with --resume, "
+             "from the newest complete checkpoint.", stderr, lock)
+        time.sleep(RESTART_WAIT_S)
+
+
+def _how_to_go_on(command: Sequence[str], num_processes: int, cpu_devices: int) -> str:
+    """"; go on from the newest checkpoint in DIR with `jdp launch ... --resume`", for a command that saves them."""
+    directory = _value(command, "--checkpoint-dir")
+    if directory is None:
+        return ""
+    again = ["jdp", "launch", "--num-processes", str(num_processes), "--cpu-devices-per-process", str(cpu_devices),
+             "--", *with_resume(command)]
+    return f"; go on from the newest checkpoint in {directory} with `{shlex.join(again)}`"
+
+
+def with_resume(command: Sequence[str]) -> list[str]:
+    """`command` with `--resume` appended, unless it has it already."""
+    return list(command) if _has(command, "--resume") else [*command, "--resume"]
+
+
+def _value(command: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` in `command` (`--flag VALUE` or `--flag=VALUE`), None if not there."""
+    for i, arg in enumerate(command):
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+        if arg == flag and i + 1 < len(command):
+            return command[i + 1]
+    return None
+
+
+def _has(command: Sequence[str], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in command)
+
+
+def _run_job(command: Sequence[str], num_processes: int, cpu_devices: int, deadline: float | None,
+             stdout: TextIO, stderr: TextIO, lock: threading.Lock) -> tuple[list[int], tuple[int | None, int] | None]:
+    """Starts the P processes, waits as `_watch`, stops them all; returns their pids and `_watch`'s result."""
     port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     readers: list[threading.Thread] = []
     on_main_thread = threading.current_thread() is threading.main_thread()
@@ -84,7 +158,7 @@ def launch(
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         for i in range(num_processes):
-            cmd = process_command(command, port, num_processes, i, cpu_devices_per_process)
+            cmd = process_command(command, port, num_processes, i, cpu_devices)
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     env=env, start_new_session=True)
             procs.append(proc)
@@ -92,32 +166,32 @@ def launch(
             for pipe, target in ((proc.stdout, stdout), (proc.stderr, stderr)):
                 readers.append(threading.Thread(target=_forward, args=(pipe, f"[p{i}] ", target, lock), daemon=True))
                 readers[-1].start()
-        failure = _watch(procs, timeout)
+        failure = _watch(procs, deadline)
     finally:
         _stop(procs)
         for reader in readers:
             reader.join(timeout=STOP_GRACE_S)
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous)
-    if failure is None:
-        return 0
-    index, code = failure
-    if index is None:
-        _say(f"the job timed out after {timeout:g} s; stopped all {num_processes} processes.", stderr, lock)
-        return 1
-    _say(f"process {index} (pid {procs[index].pid}) failed: {_describe(code)}; "
-         f"stopped the other {num_processes - 1} process(es).", stderr, lock)
-    return code if code > 0 else 1
+    return [proc.pid for proc in procs], failure
 
 
-def _watch(procs: Sequence[subprocess.Popen], timeout: float | None) -> tuple[int | None, int] | None:
-    """Waits until all exit 0 (→ None), one fails (→ (index, status)) or time runs out (→ (None, 1))."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+def _watch(procs: Sequence[subprocess.Popen], deadline: float | None) -> tuple[int | None, int] | None:
+    """Waits until all exit 0 (→ None), one fails (→ (index, status)) or time runs out (→ (None, 1)).
+
+    Of several failed at once, the first not to exit with `EXIT_PROCESS_LOST` is named: the others
+    only noticed its loss. If only such witnesses exited, a process stopped by a signal (SIGSTOP) is
+    named, as (index, −SIGSTOP).
+    """
     while True:
         codes = [proc.poll() for proc in procs]
-        for index, code in enumerate(codes):
-            if code not in (None, 0):
-                return index, code
+        failed = [(index, code) for index, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            cause = min(failed, key=lambda failure: failure[1] == EXIT_PROCESS_LOST)
+            if cause[1] == EXIT_PROCESS_LOST:
+                stopped = [i for i, proc in enumerate(procs) if codes[i] is None and _is_stopped(proc.pid)]
+                return (stopped[0], -signal.SIGSTOP) if stopped else cause
+            return cause
         if all(code == 0 for code in codes):
             return None
         if deadline is not None and time.monotonic() > deadline:
@@ -125,11 +199,20 @@ def _watch(procs: Sequence[subprocess.Popen], timeout: float | None) -> tuple[in
         time.sleep(0.05)
 
 
+def _is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (Linux's /proc; False where it cannot be told)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
 def _stop(procs: Sequence[subprocess.Popen]) -> None:
     """SIGTERM to every process still running, SIGKILL to those still there after STOP_GRACE_S."""
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()
+            proc.send_signal(signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
     deadline = time.monotonic() + STOP_GRACE_S
     for proc in procs:
         try:
@@ -157,6 +240,8 @@ def _say(message: str, target: TextIO, lock: threading.Lock) -> None:
 
 
 def _describe(code: int) -> str:
+    if code == -signal.SIGSTOP:
+        return "stopped by SIGSTOP, not responding"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"

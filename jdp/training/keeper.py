@@ -9,6 +9,7 @@ import numpy as np
 
 from jdp.errors import ConfigError
 from jdp.parallel.layout import to_host
+from jdp.runtime.faults import JobWatch
 from jdp.training.checkpoint import path_for, restore_latest, save
 from jdp.training.resume import check_resumable, check_same_state
 
@@ -25,7 +26,9 @@ class Keeper:
     needs to continue exactly: the loss is summed in float32 in the same order as uninterrupted.
 
     Checkpoints are saved every `every` steps (at the first call boundary at or after each multiple)
-    and after the last epoch; without `every`, after every epoch. Only process 0 writes.
+    and after the last epoch; without `every`, after every epoch. With several processes, a
+    checkpoint is written only once every process reached it with its guards passed (`job.all_reached`),
+    and only process 0 writes it.
 
     Args:
       directory: `checkpoint_dir`, or None to save nothing.
@@ -36,12 +39,13 @@ class Keeper:
       host_copy: replicated device arrays -> this process's host copy (e.g. `jdp.unreplicate`).
       data_key: the key data of the run's data-order PRNG key (saved with every checkpoint).
       opt_host_copy: the optimizer state on the devices -> its host form (`jdp.OptState.to_host`).
+      job: the multi-process job's watch (`jdp.runtime.faults.JobWatch`), told of every step and checkpoint.
     """
 
     def __init__(self, directory: str | os.PathLike | None, every: int | None, run: dict[str, Any] | None,
                  steps_per_epoch: int, watch: Any, host_copy: Any, data_key: np.ndarray,
-                 opt_host_copy: Any) -> None:
-        self._opt_host_copy = opt_host_copy
+                 opt_host_copy: Any, job: JobWatch) -> None:
+        self._opt_host_copy, self.job = opt_host_copy, job
         self.directory, self.every, self.run, self.data_key = directory, every, run, data_key
         self.steps_per_epoch, self.watch, self._host_copy = steps_per_epoch, watch, host_copy
         self.step, self.epoch, self.batches_done = 0, 1, 0
@@ -66,6 +70,7 @@ class Keeper:
         self.step, self.epoch, self.batches_done = position["step"], position["epoch"], position["batches_done"]
         self._loss_sum, self.history = np.float32(position["loss_sum"]), found.info["history"]
         self._saved_at, self.watch.last_good, self.data_key = self.step, found.path, found.arrays["data_key"]
+        self.job.step, self.job.checkpoint = self.step, str(found.path)
         if epochs < self.epoch - (self.batches_done == 0):
             raise ConfigError(
                 f"`epochs={epochs}` ends before {found.path} (step {self.step}, epoch {self.epoch}): "
@@ -82,6 +87,7 @@ class Keeper:
         self.step, self.batches_done = self.step + steps, self.batches_done + steps
         self._losses.append(losses)
         self.watch.after_call(self.step - steps + 1, self.step, *state, losses)
+        self.job.beat(self.step)
         if self.every is not None and self.batches_done < self.steps_per_epoch and self._due():
             self._save(state)
 
@@ -97,6 +103,7 @@ class Keeper:
         self.watch.flush()
         self.history.append(record)
         self.epoch, self.batches_done, self._loss_sum, self._losses = self.epoch + 1, 0, np.float32(0.0), []
+        self.job.beat(self.step)
         if self.every is None or last or self._due():
             self._save(state)
 
@@ -116,6 +123,8 @@ class Keeper:
             "history": self.history,
             "run": self.run,
         }
+        self.job.all_reached(self.step)
         if jax.process_index() == 0:
             save(self.directory, self.step, arrays, info)
         self.watch.last_good, self._saved_at = path_for(self.directory, self.step), self.step
+        self.job.checkpoint = str(self.watch.last_good)

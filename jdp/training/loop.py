@@ -16,10 +16,11 @@ import numpy as np
 
 from jdp import models
 from jdp.data import Dataset
-from jdp.errors import ConfigError, check_positive
+from jdp.errors import ConfigError, JdpError, check_positive
 from jdp.parallel.layout import fetch, map_over_devices, place, to_host
 from jdp.parallel.step import make_train_step
 from jdp.parallel.sync import make_consensus, make_sync
+from jdp.runtime import faults
 from jdp.training import checkpoint, guards
 from jdp.training.config import TrainConfig
 from jdp.training.evaluate import make_evaluator
@@ -55,6 +56,8 @@ def train(
     check_replicas: int | None = None,
     profile: Profiler | None = None,
     stopwatch: Stopwatch | None = None,
+    collective_timeout: float | None = None,
+    on_lost: Callable[[str], None] = faults.end_process,
 ) -> tuple[PyTree, list[EpochRecord]]:
     """Trains `config.model` (the lesson's LeNet by default, or your own `Model`) data-parallel on `devices`.
 
@@ -74,6 +77,10 @@ def train(
       profile: traces its steps and measures their breakdown (`profile.breakdown` after the run).
       stopwatch: delays the straggler's process before its steps and times every step and sync to
         completion (`stopwatch.report()` after the run; see `jdp.training.stragglers`).
+      collective_timeout: with several processes, give the job up when no step finished for this
+        many seconds (None: automatic, see `jdp.runtime.faults.collective_limit`).
+      on_lost: with several processes, called with the line naming a stalled process; it must end
+        this process, whose main thread waits inside a collective (default: print it, exit 75).
 
     Returns:
       (params, history): the first replica's params and one record per epoch (with a resumed
@@ -82,11 +89,14 @@ def train(
     Raises:
       ConfigError: for a setting that does not fit the data or devices, or a checkpoint this run cannot resume.
       TrainingError: on a non-finite loss or update, or replicas that diverged (see `jdp.training.guards`).
+      ProcessLostError: when a collective failed because another process of the job died.
     """
     config.check_fits(len(dataset.train.labels), len(devices))
     checkpoint.check_options(checkpoint_dir, checkpoint_every, resume)
     if check_replicas is not None:
         check_positive("check_replicas", check_replicas, "number of steps")
+    if collective_timeout is not None and not collective_timeout > 0:
+        raise ConfigError(f"`collective_timeout` must be a positive number of seconds, got {collective_timeout}.")
     init_key, data_key = jax.random.split(jax.random.key(config.seed))
     optimizer = config.build_optimizer()  # the lesson's SGD by default, on the full batch's mean gradient
     model = config.build_model()
@@ -100,6 +110,7 @@ def train(
             raise ConfigError(f"`steps_per_call={config.steps_per_call}` runs several steps in one call; a simulated "
                               "straggler delays and times each step: use `steps_per_call=1`.")
     strategy, sync, last_step = config.strategy(), config.build_sync(), steps_per_epoch * config.epochs
+    job = faults.JobWatch(collective_timeout, on_lost)  # a no-op with one process
     opt = config.opt_state(models.trainable(model, params), len(devices))
     keeper = Keeper(
         checkpoint_dir, checkpoint_every,
@@ -110,7 +121,7 @@ def train(
                                       same_opt_state=opt.replicated_part,
                                       comparable=lambda step: not sync.local or sync.due(step, last_step)),
         lambda tree: fetch(tree, sync.params_kind, config.backend), jax.random.key_data(data_key),
-        opt_host_copy=lambda state: opt.to_host(state, config.backend),
+        opt_host_copy=lambda state: opt.to_host(state, config.backend), job=job,
     )
     arrays = {"params": _copies(params, len(devices)) if sync.local else params,  # local: each device's own
               "opt_state": opt.init(models.trainable(model, params), jax.random.fold_in(init_key, 1)),
@@ -155,27 +166,34 @@ def train(
             keeper.after_call(steps, state, losses)
             profile.at(keeper.step, state)
 
-    for epoch in range(keeper.epoch, config.epochs + 1):
-        start = time.perf_counter()
-        state, losses = run_epoch(state, jax.random.fold_in(data_key, epoch), progress,
-                                  start=keeper.batches_done, after_call=after_call)
-        seconds = time.perf_counter() - start
-        if on_steps is not None:
-            per_step = np.concatenate([to_host(loss).reshape(-1, len(devices)).sum(axis=1) for loss in losses])
-            on_steps(keeper.step - len(per_step) + 1, per_step / config.batch_size)
-        if model.per_replica_state:
-            state = (average(state[0])[0], state[1])
-        record = EpochRecord(
-            epoch=epoch,
-            train_loss=float(keeper.epoch_loss()) / (steps_per_epoch * config.batch_size),
-            test_acc=evaluate(model_of(state), dataset.test.images, dataset.test.labels),
-            seconds=seconds,
-            syncs=sync.syncs(keeper.step, last_step),
-        )
-        keeper.end_epoch(state, dataclasses.asdict(record), last=epoch == config.epochs)
-        on_epoch(record)
-    final = fetch(model_of(state), "replicated", config.backend)  # a local run ends with a sync: one model
-    return final, [EpochRecord(**r) for r in keeper.history]
+    try:
+        for epoch in range(keeper.epoch, config.epochs + 1):
+            start = time.perf_counter()
+            state, losses = run_epoch(state, jax.random.fold_in(data_key, epoch), progress,
+                                      start=keeper.batches_done, after_call=after_call)
+            seconds = time.perf_counter() - start
+            if on_steps is not None:
+                per_step = np.concatenate([to_host(loss).reshape(-1, len(devices)).sum(axis=1) for loss in losses])
+                on_steps(keeper.step - len(per_step) + 1, per_step / config.batch_size)
+            if model.per_replica_state:
+                state = (average(state[0])[0], state[1])
+            record = EpochRecord(
+                epoch=epoch,
+                train_loss=float(keeper.epoch_loss()) / (steps_per_epoch * config.batch_size),
+                test_acc=evaluate(model_of(state), dataset.test.images, dataset.test.labels),
+                seconds=seconds,
+                syncs=sync.syncs(keeper.step, last_step),
+            )
+            keeper.end_epoch(state, dataclasses.asdict(record), last=epoch == config.epochs)
+            on_epoch(record)
+        final = fetch(model_of(state), "replicated", config.backend)  # a local run ends with a sync: one model
+        return final, [EpochRecord(**r) for r in keeper.history]
+    except (RuntimeError, ValueError) as e:  # JaxRuntimeError, or ValueError from process_allgather
+        if job.active and not isinstance(e, JdpError) and faults.transport_failure(str(e)):  # a process died
+            raise job.lost(f"a collective failed ({faults.error_gist(e)})") from None
+        raise
+    finally:
+        job.close()
 
 
 def _copies(tree: PyTree, k: int) -> PyTree:

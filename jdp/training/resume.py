@@ -36,7 +36,7 @@ def dataset_fingerprint(dataset: Any) -> dict[str, Any]:
 
 def describe_run(config: dict[str, Any], dataset: Any, device_count: int,
                  per_device_state: bool = False) -> dict[str, Any]:
-    """What `check_resumable` compares: the run's settings (JSON values), its data and device count.
+    """What `check_resumable` compares: the run's settings (JSON values), its data, device and process count.
 
     `per_device_state`: the allreduce strategy keeps state of its own on each device (PowerSGD's
     error feedback), which the checkpoint then holds once per device.
@@ -44,6 +44,7 @@ def describe_run(config: dict[str, Any], dataset: Any, device_count: int,
     return {
         "config": config,
         "devices": device_count,
+        "processes": jax.process_count(),
         "per_device_state": per_device_state,
         "dataset": dataset_fingerprint(dataset),
         "jax_version": jax.__version__,
@@ -105,7 +106,8 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
     state, but is then not bit-identical to an uninterrupted one. So may the device count: every
     device sums its shard's gradients, the allreduce sums those, and the update divides by the full
     batch, so the update is the same for any count dividing the batch; only the order of float
-    additions changes (a count that does not divide the batch is refused as for a fresh run).
+    additions changes (a count that does not divide the batch is refused as for a fresh run). So
+    may the process count: the same sums, exchanged between processes instead of within one.
 
     Args:
       saved: the `run` description stored with the checkpoint.
@@ -138,6 +140,12 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
         for name in sorted(old.keys() | new.keys())
         if name not in FREE and old.get(name) != new.get(name)
     ]
+    if saved.get("processes", 1) != current.get("processes", 1):  # checkpoints from before the field: 1
+        notes.append(
+            f"resuming in {current.get('processes', 1)} process(es) instead of the checkpoint's "
+            f"{saved.get('processes', 1)}: the same sums, exchanged between processes instead of within one "
+            "(their float additions may be grouped otherwise)"
+        )
     if saved["devices"] != current["devices"]:
         notes.append(
             f"resuming on {current['devices']} devices instead of the checkpoint's {saved['devices']}: each update is "
