@@ -239,6 +239,11 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def copies(tree: PyTree, k: int) -> PyTree:
+    """The per_device host form of one value: k rows of every leaf, each the whole leaf (a view, no copy)."""
+    return jax.tree.map(lambda leaf: np.broadcast_to(np.asarray(leaf)[None], (k, *np.shape(leaf))), tree)
+
+
 def per_process(x: np.ndarray) -> np.ndarray:
     """Every process's `x` (same shape everywhere), stacked in process order: (P, ...) (a collective)."""
     if jax.process_count() == 1:

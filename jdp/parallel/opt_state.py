@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jdp.parallel.buckets import Flat, plan
-from jdp.parallel.layout import Backend, Kinds, fetch, place
+from jdp.parallel.layout import Backend, Kinds, copies, fetch, place
 from jdp.parallel.strategy import Allreduce
 
 if TYPE_CHECKING:
@@ -107,11 +107,11 @@ class OptState:
         k = self.device_count
         optimizer_state = self.optimizer.init(plan(params, 1).flatten(params) if self.sharded else params)
         if self.local:  # every device starts from the same state, then keeps its own
-            optimizer_state = jax.tree.map(lambda x: _copies(x, k), optimizer_state)
+            optimizer_state = copies(optimizer_state, k)
         strategy_state = None
         if self.per_device_strategy_state:
             one = jax.device_get(self.strategy.init(key, params))  # the same on every device at first
-            strategy_state = jax.tree.map(lambda x: _copies(x, k), one)
+            strategy_state = copies(one, k)
         outer = {"params": params, "optimizer": self.outer_optimizer.init(params)} if self.has_outer else None
         return self.join(optimizer_state, strategy_state, outer)
 
@@ -120,7 +120,7 @@ class OptState:
         (optimizer_state, strategy_state), outer = self.split(host), self.outer(host)
         if self.sharded:  # a row per device: slice i of each per-element leaf, a copy of each other leaf
             k = self.device_count
-            rows = [_slices(leaf, k) if sliced else _copies(leaf, k)
+            rows = [_slices(leaf, k) if sliced else copies(leaf, k)
                     for leaf, sliced in zip(jax.tree.leaves(optimizer_state), self._sliced, strict=True)]
             optimizer_state = jax.tree.unflatten(jax.tree.structure(optimizer_state), rows)
         return place(self.join(optimizer_state, strategy_state, outer), self.kind, devices, backend)
@@ -174,12 +174,6 @@ def _slices(leaf: Any, k: int) -> np.ndarray:
     host = np.asarray(leaf)
     c = -(-host.size // k) or 1
     return np.pad(host, (0, k * c - host.size)).reshape(k, c)
-
-
-def _copies(leaf: Any, k: int) -> np.ndarray:
-    """k rows, each the whole leaf (a view, no copy on the host)."""
-    host = np.asarray(leaf)
-    return np.broadcast_to(host[None], (k, *host.shape))
 
 
 def init_sharded(optimizer: "optax.GradientTransformation", params: PyTree, devices: list[jax.Device],

@@ -153,7 +153,7 @@ def make_train_step(
         def local_step(variables, opt_state, images, labels):
             optimizer_state, kept = opt.split(opt_state)
             loss, grads, state = local_grads(variables, images, labels)
-            grads, kept = _reduce(strategy, grads, kept, AXIS)  # the one reduction over the devices
+            grads, kept = strategy.reduce(grads, kept, AXIS)  # the one reduction over the devices
             variables, optimizer_state = update(variables, optimizer_state, grads, state, images)
             return variables, opt.join(optimizer_state, kept), loss
 
@@ -165,7 +165,7 @@ def make_train_step(
     p_update = segment("compute", map_over_devices(
         update, devices, backend, ("replicated", opt.optimizer_kind, "per_device", "replicated", "batch"),
         ("replicated", opt.optimizer_kind), donate=(0, 1)))
-    reduce = segment("communication", lambda grads, kept: _reduce(strategy, grads, kept))
+    reduce = segment("communication", strategy.reduce)
 
     def step(variables, opt_state, images, labels):
         optimizer_state, kept = opt.split(opt_state)
@@ -203,13 +203,6 @@ def check_strategy(strategy: Allreduce, devices: Sequence[jax.Device], backend: 
             f"`allreduce={strategy.name}` does not provide; use one of: {', '.join(allreduce_lib.names(halves=True))}, "
             "or give your strategy `reduce_scatter` and `all_gather` (see `jdp.Allreduce`)."
         )
-
-
-def _reduce(strategy: Allreduce, grads: PyTree, kept: PyTree, *axis: str) -> tuple[PyTree, PyTree]:
-    """(the summed gradients, the strategy's new per-device state, None if it keeps none)."""
-    if not strategy.stateful:
-        return strategy.fn(grads, *axis), None
-    return strategy.fn(grads, kept, *axis)
 
 
 def _sharded_step(strategy: Allreduce, opt: OptState, local_grads: Callable, apply: Callable, params_of: Callable,

@@ -72,6 +72,12 @@ class Allreduce(NamedTuple):
         """Whether it keeps state on each device between steps."""
         return self.init is not None
 
+    def reduce(self, tree: Any, state: Any, *axis: str) -> tuple[Any, Any]:
+        """(the sum of `tree` over the devices, the strategy's new per-device state, None if it keeps none)."""
+        if not self.stateful:
+            return self.fn(tree, *axis), None
+        return self.fn(tree, state, *axis)
+
 
 def check(strategy: Any) -> Allreduce:
     """Returns `strategy` if it is a well-formed `Allreduce`.

@@ -148,17 +148,12 @@ def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[
         theta = optax.apply_updates(outer["params"], updates)
         return theta, {"params": theta, "optimizer": outer_state}
 
-    def reduce(tree, kept, *axis):
-        if not strategy.stateful:
-            return strategy.fn(tree, *axis), None
-        return strategy.fn(tree, kept, *axis)
-
     if strategy.where == "inside":
 
         def local_sync(params, opt_state):
             inner, kept = opt.split(opt_state)
             outer = opt.outer(opt_state)
-            total, kept = reduce(sent(params, outer), kept, AXIS)
+            total, kept = strategy.reduce(sent(params, outer), kept, AXIS)
             params, outer = received(total, outer)
             return params, opt.join(inner, kept, outer)
 
@@ -180,7 +175,7 @@ def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[
     def outside_sync(params, opt_state):
         inner, kept = opt.split(opt_state)
         outer = opt.outer(opt_state)
-        total, kept = reduce(p_sent(params, outer), kept)  # explicit transfers between devices
+        total, kept = strategy.reduce(p_sent(params, outer), kept)  # explicit transfers between devices
         params, outer = p_received(total, outer)
         return params, opt.join(inner, kept, outer)
 

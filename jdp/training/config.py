@@ -4,17 +4,16 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import jax
-import numpy as np
 
 from jdp import models
 from jdp.errors import ConfigError, check_positive
 from jdp.models import Model, precision
 from jdp.parallel import compress as compress_lib
-from jdp.parallel.layout import check_backend, check_divisible
+from jdp.parallel import sync as sync_lib
+from jdp.parallel.layout import check_backend, check_divisible, copies
 from jdp.parallel.opt_state import OptState
 from jdp.parallel.step import check_strategy
 from jdp.parallel.strategy import Allreduce
-from jdp.parallel import sync as sync_lib
 from jdp.training import optimizers
 from jdp.training.evaluate import EVAL_ON
 
@@ -167,7 +166,7 @@ def checkpoint_target(config: TrainConfig, device_count: int = 1) -> PyTree:
     trainable = models.trainable(model, params)
     opt_state = config.opt_state(trainable, device_count).init(trainable, jax.random.key(0))
     if config.build_sync().local:
-        params = jax.tree.map(lambda x: np.broadcast_to(x, (device_count, *x.shape)), params)
+        params = copies(params, device_count)
     return {"params": params, "opt_state": opt_state, "data_key": jax.random.key_data(jax.random.key(0))}
 
 

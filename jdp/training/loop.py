@@ -17,7 +17,7 @@ import numpy as np
 from jdp import models
 from jdp.data import Dataset
 from jdp.errors import ConfigError, JdpError, check_positive
-from jdp.parallel.layout import fetch, map_over_devices, place, to_host
+from jdp.parallel.layout import copies, fetch, map_over_devices, place, to_host
 from jdp.parallel.step import make_train_step
 from jdp.parallel.sync import make_consensus, make_sync
 from jdp.runtime import faults
@@ -123,7 +123,7 @@ def train(
         lambda tree: fetch(tree, sync.params_kind, config.backend), jax.random.key_data(data_key),
         opt_host_copy=lambda state: opt.to_host(state, config.backend), job=job,
     )
-    arrays = {"params": _copies(params, len(devices)) if sync.local else params,  # local: each device's own
+    arrays = {"params": copies(params, len(devices)) if sync.local else params,  # local: each device's own
               "opt_state": opt.init(models.trainable(model, params), jax.random.fold_in(init_key, 1)),
               "data_key": keeper.data_key}
     if resume:
@@ -194,11 +194,6 @@ def train(
         raise
     finally:
         job.close()
-
-
-def _copies(tree: PyTree, k: int) -> PyTree:
-    """k rows of every leaf, each the whole leaf (a view): the per_device host form of a replicated value."""
-    return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (k, *np.shape(x))), tree)
 
 
 def _same_on_every_device(model: models.Model) -> Callable[[PyTree], PyTree]:
