@@ -48,7 +48,7 @@ def add_compress_flags(parser: argparse.ArgumentParser) -> None:
     """`--compress` and `--powersgd-rank`: how the allreduce compresses what it sends (jdp.parallel.compress)."""
     parser.add_argument("--compress", default="none", choices=MODES,
                         help="compress the allreduce: cast to bf16/fp16 (sums in that dtype), send bf16/fp16 but add "
-                        "in float32 at each ring hop (-wire, --allreduce ring), or rank-R PowerSGD with error feedback")
+                        "in float32 at each ring hop (-wire, --allreduce ring or hierarchical), or rank-R PowerSGD with error feedback")
     parser.add_argument("--powersgd-rank", type=int, default=None, metavar="R",
                         help="with --compress powersgd: the rank of its factors (default 1)")
 

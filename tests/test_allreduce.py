@@ -73,7 +73,8 @@ def pytrees(draw):
     return k, {"layer": leaves[: len(leaves) // 2], "rest": tuple(leaves[len(leaves) // 2:])}
 
 
-@pytest.mark.parametrize("name", ALGORITHMS)
+@pytest.mark.parametrize("name", [  # hierarchical on one process is one host, a ring: tests/test_hierarchical.py groups it
+    pytest.param(name, marks=pytest.mark.slow) if name.startswith("hierarchical") else name for name in ALGORITHMS])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=pytrees(), mode=st.sampled_from(MODES))
 def test_every_algorithm_returns_the_sum_on_every_device(name, case, mode, devices):

@@ -60,7 +60,7 @@ def test_cast_stays_within_the_rounding_bound_of_its_dtype(name, mode, devices):
     """k inputs rounded to the low dtype (u each) and k−1 additions rounded to it: |error| ≤ (2k−1)·u·Σ|x_i|
     to first order (Higham §4.2); the -wire ring rounds once per hop instead, k times. The test allows 2k·u."""
     if mode.endswith("-wire") and name != "ring":
-        with pytest.raises(ConfigError, match=f"`compress={mode}` sends low precision.*use `allreduce=ring`"):
+        with pytest.raises(ConfigError, match=f"`compress={mode}` sends low precision.*use `allreduce=ring, hierarchical`"):
             compress.get(name, compress=mode)
         return
     rng = np.random.default_rng(0)

@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--epochs", type=int, default=10)
     train.add_argument("--warmup-steps", type=int, default=0, help="linear lr warmup from 0 over this many steps")
     train.add_argument("--allreduce", default="psum",
-                       help="gradient allreduce strategy: psum, manual (star), manual_ring, ring, tree, or one a "
-                       "--plugin registered")
+                       help="gradient allreduce strategy: psum, manual (star), manual_ring, ring, tree, "
+                       "hierarchical[:tree|psum][:HxL] (H hosts × L local devices; default one host per process), "
+                       "or one a --plugin registered")
     train.add_argument("--fuse", action="store_true",
                        help="allreduce the gradients raveled into one buffer per dtype instead of one per leaf")
     train.add_argument("--bucket-mb", type=float, default=None, metavar="M",

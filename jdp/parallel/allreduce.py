@@ -5,11 +5,12 @@ The algorithms live by where they run: `jdp.parallel.collectives` (inside the ma
 `jdp.parallel.strategy`; fusion into few large buffers in `jdp.parallel.buckets`.
 """
 
+import re
 from functools import partial
 
 import jax.numpy as jnp
 
-from jdp.errors import ConfigError
+from jdp.errors import ConfigError, check_positive
 from jdp.parallel import collectives, copies
 from jdp.parallel.buckets import fused
 from jdp.parallel.strategy import Allreduce, check
@@ -18,6 +19,39 @@ from jdp.parallel.strategy import Allreduce, check
 def _ring_wire(dtype: jnp.dtype) -> Allreduce:
     """jdp's ring sending every chunk in `dtype`, adding in the buffer's own dtype at every hop."""
     return Allreduce(f"ring+{jnp.dtype(dtype).name}-wire", partial(collectives.ring, wire=dtype))
+
+
+OUTER = ("ring", "tree", "psum")  # what a hierarchical allreduce may run across hosts
+_HIERARCHICAL = re.compile(r"hierarchical(?::(?P<outer>ring|tree|psum))?(?::(?P<hosts>\d+)x(?P<local>\d+))?")
+
+
+def hierarchical(outer: str = "ring", shape: tuple[int, int] | None = None) -> Allreduce:
+    """The two-level allreduce (`collectives.hierarchical`) with `outer` across hosts, as a strategy.
+
+    Named `hierarchical[:OUTER][:HxL]` (`:ring` and the grouping left out when they are the
+    defaults), the name `get` parses back. With outer "ring" it has a low-precision wire, used
+    across hosts only: `--compress bf16-wire` halves the bytes on the slow links.
+
+    Args:
+      outer: "ring", "tree" or "psum".
+      shape: (H hosts, L local devices); None: one host per process.
+
+    Raises:
+      ConfigError: for an unknown `outer` or a grouping that is not positive.
+    """
+    if outer not in OUTER:
+        raise ConfigError(f"`outer={outer}` is not an algorithm across hosts; choose one of: {', '.join(OUTER)}.")
+    if shape is not None:
+        check_positive("hosts", shape[0])
+        check_positive("local_devices", shape[1])
+    name = "hierarchical" + ("" if outer == "ring" else f":{outer}") + ("" if shape is None else ":{}x{}".format(*shape))
+
+    def wire(dtype: jnp.dtype) -> Allreduce:
+        return Allreduce(f"{name}+{jnp.dtype(dtype).name}-wire",
+                         partial(collectives.hierarchical, outer="ring", shape=shape, wire=dtype))
+
+    return Allreduce(name, partial(collectives.hierarchical, outer=outer, shape=shape),
+                     wire=wire if outer == "ring" else None)
 
 
 _STRATEGIES: dict[str, Allreduce] = {  # built-ins first, then what users register
@@ -31,6 +65,8 @@ _STRATEGIES: dict[str, Allreduce] = {  # built-ins first, then what users regist
     "ring": Allreduce("ring", collectives.ring, reduce_scatter=collectives.ring_reduce_scatter,
                       all_gather=collectives.ring_all_gather, wire=_ring_wire),
     "tree": Allreduce("tree", collectives.tree),
+    "hierarchical": hierarchical("ring"),
+    "hierarchical:tree": hierarchical("tree"),
 }
 
 
@@ -60,7 +96,9 @@ def get(name: str | Allreduce, *, fuse: bool = False, bucket_mb: float | None = 
     """The strategy called `name` (or `name` itself if it is an `Allreduce`), per leaf or fused.
 
     Args:
-      name: a registered name (see `names`), or a strategy object.
+      name: a registered name (see `names`), a hierarchical one with its grouping, e.g.
+        `hierarchical:tree:2x4` (2 hosts × 4 local devices; `jdp.parallel.allreduce.hierarchical`),
+        or a strategy object.
       fuse: allreduce few large buffers instead of one per leaf (see `fused`).
       bucket_mb: with `fuse`, the largest bucket in MB; None means one buffer per dtype.
 
@@ -71,10 +109,14 @@ def get(name: str | Allreduce, *, fuse: bool = False, bucket_mb: float | None = 
         strategy = check(name)
     elif name in _STRATEGIES:
         strategy = _STRATEGIES[name]
+    elif match := _HIERARCHICAL.fullmatch(name):
+        shape = None if match["hosts"] is None else (int(match["hosts"]), int(match["local"]))
+        strategy = hierarchical(match["outer"] or "ring", shape)
     else:
         raise ConfigError(
-            f"Unknown allreduce strategy `{name}`; choose one of: {', '.join(_STRATEGIES)} "
-            "(or register your own with `jdp.register_allreduce`, loaded with `--plugin MODULE`)."
+            f"Unknown allreduce strategy `{name}`; choose one of: {', '.join(_STRATEGIES)}, "
+            "hierarchical[:ring|tree|psum][:HxL] (or register your own with `jdp.register_allreduce`, "
+            "loaded with `--plugin MODULE`)."
         )
     if not fuse:
         if bucket_mb is not None:
