@@ -29,8 +29,9 @@ def hierarchical(outer: str = "ring", shape: tuple[int, int] | None = None) -> A
     """The two-level allreduce (`collectives.hierarchical`) with `outer` across hosts, as a strategy.
 
     Named `hierarchical[:OUTER][:HxL]` (`:ring` and the grouping left out when they are the
-    defaults), the name `get` parses back. With outer "ring" it has a low-precision wire, used
-    across hosts only: `--compress bf16-wire` halves the bytes on the slow links.
+    defaults), the name `get` parses back. With outer "ring" it has halves (`--shard-optimizer`)
+    and a low-precision wire, used across hosts only: `--compress bf16-wire` halves the bytes on
+    the slow links.
 
     Args:
       outer: "ring", "tree" or "psum".
@@ -50,8 +51,11 @@ def hierarchical(outer: str = "ring", shape: tuple[int, int] | None = None) -> A
         return Allreduce(f"{name}+{jnp.dtype(dtype).name}-wire",
                          partial(collectives.hierarchical, outer="ring", shape=shape, wire=dtype))
 
-    return Allreduce(name, partial(collectives.hierarchical, outer=outer, shape=shape),
-                     wire=wire if outer == "ring" else None)
+    if outer != "ring":
+        return Allreduce(name, partial(collectives.hierarchical, outer=outer, shape=shape))
+    return Allreduce(name, partial(collectives.hierarchical, outer=outer, shape=shape), wire=wire,
+                     reduce_scatter=partial(collectives.hierarchical_reduce_scatter, shape=shape),
+                     all_gather=partial(collectives.hierarchical_all_gather, shape=shape))
 
 
 _STRATEGIES: dict[str, Allreduce] = {  # built-ins first, then what users register

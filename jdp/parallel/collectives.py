@@ -226,6 +226,27 @@ def hierarchical(tree: PyTree, axis_name: str, outer: str = "ring", shape: tuple
     return jax.tree.map(allreduce, tree)
 
 
+def hierarchical_reduce_scatter(flat: jax.Array, axis_name: str, shape: tuple[int, int] | None = None) -> jax.Array:
+    """The first half with a ring across hosts: k·c elements in, slice d of the sum out on device d.
+
+    Slices are dealt to local indices first: chunk l of the within-host ring holds slices h·L + l of
+    every host h, so the ring across hosts then leaves device h·L + l with exactly its own slice.
+    """
+    inner, across = host_groups(lax.axis_size(axis_name), shape)
+    hosts, local = len(across[0]), len(inner[0])
+    by_local = flat.reshape(hosts, local, -1).swapaxes(0, 1).ravel()  # chunk l: slices l, L + l, 2L + l, …
+    mine = ring_reduce_scatter(by_local, axis_name, groups=inner)  # this host's sum of chunk l
+    return ring_reduce_scatter(mine, axis_name, groups=across)  # + every other host's: slice h·L + l, summed
+
+
+def hierarchical_all_gather(mine: jax.Array, axis_name: str, shape: tuple[int, int] | None = None) -> jax.Array:
+    """The second half: device d's slice d in, all k slices in device order out (across hosts, then within)."""
+    inner, across = host_groups(lax.axis_size(axis_name), shape)
+    hosts, local = len(across[0]), len(inner[0])
+    by_local = ring_all_gather(ring_all_gather(mine, axis_name, groups=across), axis_name, groups=inner)
+    return by_local.reshape(local, hosts, -1).swapaxes(0, 1).ravel()
+
+
 def host_groups(k: int, shape: tuple[int, int] | None = None) -> tuple[Groups, Groups]:
     """(each host's devices, the devices of each local index across hosts) for k host-major devices.
 
