@@ -68,7 +68,7 @@ def add_optimizer_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="ZeRO-2: reduce-scatter the gradients, each device updates its 1/k slice with its "
                         "1/k of the optimizer state, all-gather the params (any --allreduce with those halves: "
-                        "psum, ring, manual, manual_ring, or a plugin's)")
+                        "psum, ring, hierarchical, manual, manual_ring, or a plugin's)")
 
 
 def load_plugins(modules: list[str]) -> None:
