@@ -96,7 +96,7 @@ def main() -> None:
     devices = jax.devices()[:8]
     dataset = subset(common.load_data(args, 2048, 512))
     rows, record = [], {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-                        "machine": machine(devices), "n_train": len(dataset.train.labels), "runs": []}
+                        "machine": machine(devices), "quick": args.quick, "n_train": len(dataset.train.labels), "runs": []}
 
     def report(where: str, name: str, got, want, identical: str, losses, reference) -> None:
         diff, departs = max_relative_difference(got, want), first_departure(losses, reference)
