@@ -10,6 +10,7 @@ round differently (~1e-7), which stays so until a near-tie (a max-pool's arg max
 """
 
 import datetime
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +23,9 @@ N_TRAIN = 12_800  # 50 steps of 256: enough for rounding differences to grow thr
 
 
 def config(allreduce: str, compress: str = "none"):
-    from jdp.training.config import TrainConfig
+    import jdp
 
-    return TrainConfig(batch_size=256, lr=0.2, epochs=1, allreduce=allreduce, compress=compress, seed=0)
+    return jdp.TrainConfig(batch_size=256, lr=0.2, epochs=1, allreduce=allreduce, compress=compress, seed=0)
 
 
 def max_relative_difference(got, want) -> float:
@@ -43,10 +44,10 @@ def first_departure(losses, reference) -> str:
 
 def train_recording(config, dataset, devices, **kwargs):
     """`jdp.train`, and the mean loss of every step."""
-    from jdp.training.loop import train
+    import jdp
 
     losses = []
-    params, _ = train(config, dataset, devices, on_steps=lambda first, step_losses: losses.extend(step_losses),
+    params, _ = jdp.train(config, dataset, devices, on_steps=lambda first, step_losses: losses.extend(step_losses),
                       **kwargs)
     return params, [float(x) for x in losses]
 
@@ -56,12 +57,12 @@ def worker(args) -> None:
     import jax
     import numpy as np
 
-    from jdp.runtime import devices, distributed
+    import jdp
 
-    devices.simulate_cpu_devices(int(args.cpu_devices))
-    assert distributed.initialize(args.coordinator, int(args.num_processes), int(args.process_id))
+    jdp.simulate_cpu_devices(int(args.cpu_devices))
+    jax.distributed.initialize(args.coordinator, int(args.num_processes), int(args.process_id))
     dataset = subset(common.load_data(args, 2048, 512))
-    params, losses = train_recording(config("hierarchical"), dataset, devices.select_devices(), check_replicas=1)
+    params, losses = train_recording(config("hierarchical"), dataset, jdp.select_devices(), check_replicas=1)
     np.savez(Path(args.out) / f"params-p{jax.process_index()}.npz", *[np.asarray(x) for x in jax.tree.leaves(params)],
              losses=np.asarray(losses))
 
@@ -91,12 +92,11 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
 
-    from jdp.bench.machine import machine
-
     devices = jax.devices()[:8]
     dataset = subset(common.load_data(args, 2048, 512))
     rows, record = [], {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-                        "machine": machine(devices), "quick": args.quick, "n_train": len(dataset.train.labels), "runs": []}
+                        "machine": common.machine(), "jax": jax.__version__, "python": platform.python_version(),
+                        "quick": args.quick, "n_train": len(dataset.train.labels), "runs": []}
 
     def report(where: str, name: str, got, want, identical: str, losses, reference) -> None:
         diff, departs = max_relative_difference(got, want), first_departure(losses, reference)
@@ -123,11 +123,9 @@ def main() -> None:
         path.unlink()
     table = common.markdown_table(["devices", "allreduce", "max relative difference vs psum",
                                    "first step whose loss departs from psum's (> 1e-5)", "replicas identical"], rows)
-    m = record["machine"]
     table += (f"\nLeNet, SGD lr 0.2, batch 256, one epoch of {record['n_train']} "
-              f"{'synthetic' if args.quick else 'Fashion-MNIST'} images; {record['date']}; {m['cpu']}, "
-              f"{m['host_cpus']} CPUs, no GPU, JAX {m['jax_version']}, Python {m['python']}, "
-              f"load average {' '.join(m['load_average'])}.\n")
+              f"{'synthetic' if args.quick else 'Fashion-MNIST'} images; {record['date']}; {record['machine']}; "
+              f"JAX {record['jax']}, Python {record['python']}.\n")
     common.write_outputs(out, "hierarchical", record, table)
 
 
