@@ -148,3 +148,34 @@ def bytes_per_device(rows: Sequence[dict], title: str = "") -> Figure:
         figure.suptitle(title, fontsize=9)
     figure.tight_layout()
     return figure
+
+
+def predicted_scaling(rows: Sequence[dict], title: str = "") -> Figure:
+    """`jdp predict`'s picture: step time and scaling efficiency against devices, one line per strategy.
+
+    Args:
+      rows: `jdp predict` rows (devices, strategies: {name: step_ms, efficiency}, best).
+      title: shown above the plots.
+    """
+    figure = Figure(figsize=(9.5, 3.8))
+    time_ax, efficiency_ax = figure.subplots(1, 2)
+    names = list(dict.fromkeys(name for r in rows for name in r["strategies"]))
+    for name in names:
+        mine = [r for r in rows if name in r["strategies"]]
+        xs = [r["devices"] for r in mine]
+        line, = time_ax.plot(xs, [r["strategies"][name]["step_ms"] for r in mine], marker=".", label=name)
+        efficiency_ax.plot(xs, [r["strategies"][name]["efficiency"] for r in mine], marker=".", color=line.get_color())
+        best = [r for r in mine if r["best"] == name]  # the fastest strategy at that count: a ring around it
+        time_ax.scatter([r["devices"] for r in best], [r["strategies"][name]["step_ms"] for r in best], s=90,
+                        facecolors="none", edgecolors=line.get_color())
+    for ax, label in ((time_ax, "step time (ms)"), (efficiency_ax, "scaling efficiency (compute / step)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("devices")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, which="both")
+    time_ax.set_yscale("log")
+    efficiency_ax.set_ylim(0, 1.02)
+    time_ax.legend(fontsize=7, title="circled: fastest", title_fontsize=7)
+    figure.suptitle(title, fontsize=8)
+    figure.tight_layout()
+    return figure
