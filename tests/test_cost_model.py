@@ -44,10 +44,11 @@ def test_star_and_hierarchical_terms():
     star = cost.flat_terms("star", 8, n)
     assert (star.messages, star.bytes_sent, star.bytes_reduced) == (14, 14 * n, 7 * n)
     levels = cost.terms("hierarchical", 8, n, per_node=4)  # 2 hosts × 4
-    assert levels["intra"] == cost.Terms(6, 2 * 3 / 4 * n, 3 / 4 * n)
-    assert levels["inter"] == cost.Terms(2, 2 * 1 / 2 * n / 4, 1 / 2 * n / 4)
+    assert levels["intra"] == cost.Terms(6, 2 * 3 / 4 * n, 3 / 4 * n, 2 * (2 * 3 * n))  # 2 node rings
+    assert levels["inter"] == cost.Terms(2, 2 * 1 / 2 * n / 4, 1 / 2 * n / 4, 4 * (2 * 1 * n / 4))  # 4 rings of 2
     tree = cost.terms("hierarchical:tree", 16, n, per_node=4)["inter"]
-    assert tree == cost.flat_terms("tree", 4, n / 4)
+    alone = cost.flat_terms("tree", 4, n / 4)
+    assert (tree.messages, tree.bytes_sent, tree.bytes_total) == (alone.messages, alone.bytes_sent, 4 * alone.bytes_total)
 
 
 def test_wrappers_change_messages_and_bytes():
@@ -140,3 +141,18 @@ def test_nvlink4_preset_predicts_nccl_ring_bus_bandwidth():
     t = predict.allreduce_seconds("ring", k, [size], predict.CLUSTERS["nvlink4-ib-ndr"])
     predicted_busbw = size / t * 2 * (k - 1) / k
     assert abs(predicted_busbw / published_busbw - 1) <= 0.25, predicted_busbw / 1e9
+
+
+def test_on_a_shared_host_every_flat_algorithm_moves_the_same_bytes_and_the_fit_recovers_them():
+    k, n = 6, 1000.0
+    assert {cost.flat_terms(a, k, n).bytes_total for a in ("star", "ring", "tree")} == {2 * (k - 1) * n}
+    rows = []
+    for k in (2, 3, 4):
+        for size in (4096, 1 << 20, 1 << 24):
+            m, b, r = cost.features({"algorithm": "ring", "devices": k, "size_bytes": size}, shared=True)
+            assert b == 2 * (k - 1) * size and r == 0
+            rows.append({"algorithm": "ring", "devices": k, "size_bytes": size, "time_us": (m * 3e-5 + b * 1e-9) * 1e6})
+    f = cost.fit_all(rows, shared=True)["algorithms"]["ring"]
+    assert f["shared"] and f["alpha_s"] == pytest.approx(3e-5) and f["beta_s_per_byte"] == pytest.approx(1e-9)
+    link = cost.Link(f["alpha_s"], f["beta_s_per_byte"], shared=True)
+    assert cost.seconds(cost.terms("ring", 3, 1 << 20), link, link) * 1e6 == pytest.approx(rows[4]["time_us"])

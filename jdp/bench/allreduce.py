@@ -35,6 +35,7 @@ from jdp.runtime.devices import AXIS
 DEFAULT_SIZES = "4KiB..64MiB"
 _UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 _ITEMSIZE = 4  # the buffers are float32, as the gradients
+LINK_MODES = ("auto", "per-device", "shared")
 
 
 def add_parser(benchmarks: argparse._SubParsersAction) -> None:
@@ -62,6 +63,9 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     fitting.add_argument("--hold-out", type=int, default=None, metavar="K",
                          help="with --fit: fit without the runs on K devices, then predict them and report the "
                          "median and worst relative error")
+    fitting.add_argument("--link", default="auto", choices=LINK_MODES,
+                         help="bytes in the β term: per-device (the busiest device's, as on real links), shared (all "
+                         "devices', as simulated CPU devices share one memory), or auto: shared for CPU runs")
     p.set_defaults(run=run_allreduce_bench)
 
 
@@ -274,9 +278,11 @@ def run_fit(args: argparse.Namespace) -> int:
     if args.hold_out is not None and (args.hold_out not in counts or len(counts) < 2):
         raise ConfigError(f"`hold_out={args.hold_out}` must be one of the runs' device counts {counts}, "
                           "with at least one other count to fit on.")
-    record = cost.fit_all(rows, held_out=args.hold_out)
+    shared = args.link == "shared" or (args.link == "auto" and all(run.get("platform") == "cpu" for run in runs))
+    record = cost.fit_all(rows, held_out=args.hold_out, shared=shared)
     print(f"# jdp bench allreduce --fit: t = m·alpha + b·beta + r·gamma per algorithm, over {len(runs)} run(s) on "
-          f"{counts} devices", flush=True)
+          f"{counts} devices, b = bytes {'all devices send (one shared host)' if shared else 'the busiest device sends'}",
+          flush=True)
     print(format_fit_table(record), flush=True)
     if out is not None:
         fields = ("cpu", "vector_isa", "host_cpus", "python", "jax_version", "xla_flags", "backend", "repeats")
@@ -293,8 +299,8 @@ def run_allreduce_bench(args: argparse.Namespace) -> int:
 
     if args.fit is not None:
         return run_fit(args)
-    if args.hold_out is not None:
-        raise ConfigError("`hold_out` applies to fits of several runs; add `fit=RUN.json ...`.")
+    if args.hold_out is not None or args.link != "auto":
+        raise ConfigError("`hold_out` and `link` apply to fits of saved runs; add `fit=RUN.json ...`.")
     sizes = parse_sizes(args.sizes)
     check_positive("repeats", args.repeats)
     load_plugins(args.plugin)
@@ -308,7 +314,8 @@ def run_allreduce_bench(args: argparse.Namespace) -> int:
     if out is not None:
         record = {"benchmark": "allreduce", **machine(devices), "cpu_devices_simulated": args.cpu_devices,
                   "backend": args.backend, "repeats": args.repeats, "results": rows,
-                  "fit": cost.fit_all(rows, say=lambda line: print(line, flush=True))["algorithms"]}
+                  "fit": cost.fit_all(rows, shared=devices[0].platform == "cpu",
+                                      say=lambda line: print(line, flush=True))}
         (out / "allreduce.json").write_text(json.dumps(record, indent=2) + "\n")
         title = f"allreduce on {len(devices)} {devices[0].platform} devices, float32, median of {args.repeats}"
         plot.save(plot.busbw_vs_size(rows, title=title), out / "allreduce.png")

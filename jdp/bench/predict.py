@@ -92,7 +92,7 @@ def allreduce_seconds(strategy: str, k: int, leaf_bytes: Sequence[float], networ
     model = network["algorithms"].get(base) or network["algorithms"].get("ring" if f.hierarchical else base)
     if model is None:
         return None
-    link = cost.Link(model["alpha_s"], model["beta_s_per_byte"])
+    link = cost.Link(model["alpha_s"], model["beta_s_per_byte"], shared=model.get("shared", False))
     levels = cost.terms(strategy, k, leaf_bytes, None if not f.hierarchical else _local_for_fit(k))
     return cost.seconds(levels, link, link, model["gamma_s_per_byte"])
 

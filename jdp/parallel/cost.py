@@ -29,6 +29,10 @@ in float32 (b halves, r does not); `+bfloat16` casts before the allreduce (b and
 In every algorithm r = b/2, so γ and β cannot be told apart from one algorithm's times: the fit
 keeps γ only if its column is independent of the others and folds it into β otherwise.
 
+Simulated CPU devices have no links: every "transfer" is a copy in the one host's memory, which
+all k devices share. There the right b is the bytes all devices send, which is 2(k−1)·N for
+every flat algorithm (star, ring and tree alike), not the busiest device's: a `shared` `Link`.
+
 References:
   Thakur, Rabenseifner & Gropp, "Optimization of collective communication operations in MPICH", IJHPCA 2005.
   Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 2009.
@@ -50,39 +54,47 @@ _SMALL_DTYPES = {"bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True)
 class Terms:
-    """m, b, r of one allreduce on one link (see the module's table)."""
+    """m, b, r of one allreduce on one link (see the module's table), and the bytes all devices send."""
 
     messages: float = 0.0
     bytes_sent: float = 0.0
     bytes_reduced: float = 0.0
+    bytes_total: float = 0.0  # summed over the devices: what a link they all share carries
 
     def __add__(self, other: "Terms") -> "Terms":
         return Terms(self.messages + other.messages, self.bytes_sent + other.bytes_sent,
-                     self.bytes_reduced + other.bytes_reduced)
+                     self.bytes_reduced + other.bytes_reduced, self.bytes_total + other.bytes_total)
 
 
 @dataclass(frozen=True)
 class Link:
-    """A link's latency α (seconds per message) and inverse bandwidth β (seconds per byte)."""
+    """A link's latency α (seconds per message) and inverse bandwidth β (seconds per byte).
+
+    `shared`: one medium that every device's bytes cross, like the memory of one host whose CPU
+    devices are simulated; the bytes are then all devices' (2(k−1)·N for every flat algorithm),
+    not the busiest device's.
+    """
 
     alpha: float
     beta: float
     name: str = ""
+    shared: bool = False
 
 
 def flat_terms(algorithm: str, k: int, nbytes: float) -> Terms:
     """m, b, r of `algorithm` (star, ring or tree) on k devices, N = `nbytes` per device."""
     if k <= 1 or nbytes <= 0:
         return Terms()
+    total = 2 * (k - 1) * nbytes  # every flat algorithm: each device's N in, the sum out to the others
     if algorithm == "star":
-        return Terms(2 * (k - 1), 2 * (k - 1) * nbytes, (k - 1) * nbytes)
+        return Terms(2 * (k - 1), 2 * (k - 1) * nbytes, (k - 1) * nbytes, total)
     if algorithm == "ring":
-        return Terms(2 * (k - 1), 2 * (k - 1) / k * nbytes, (k - 1) / k * nbytes)
+        return Terms(2 * (k - 1), 2 * (k - 1) / k * nbytes, (k - 1) / k * nbytes, total)
     if algorithm == "tree":
         p = 1 << (k.bit_length() - 1)
         fold = 1 if k > p else 0  # the k − p extra devices send their buffer in, and get the sum back
         return Terms(2 * math.log2(p) + 2 * fold, 2 * (p - 1) / p * nbytes + 2 * fold * nbytes,
-                     (p - 1) / p * nbytes + fold * nbytes)
+                     (p - 1) / p * nbytes + fold * nbytes, total)
     raise ValueError(f"no flat algorithm `{algorithm}`")
 
 
@@ -165,10 +177,9 @@ def terms(name: str, k: int, leaf_bytes: Sequence[float] | float, per_node: int 
         if f.hierarchical:
             if k % local:
                 raise ValueError(f"hierarchical needs whole nodes: {k} devices, {local} per node")
-            hosts = k // local
-            inner = flat_terms("ring", local, nbytes)  # reduce-scatter + all-gather within the node
-            intra += _scaled(inner, f)
-            inter += _scaled(flat_terms(f.algorithm, hosts, nbytes / local), f)
+            hosts = k // local  # H nodes' rings of L, then L outer allreduces of N/L over H devices
+            intra += _scaled(_times(flat_terms("ring", local, nbytes), hosts), f)
+            inter += _scaled(_times(flat_terms(f.algorithm, hosts, nbytes / local), local), f)
         elif local == k:
             intra += _scaled(flat_terms(f.algorithm, k, nbytes), f)
         else:
@@ -176,15 +187,21 @@ def terms(name: str, k: int, leaf_bytes: Sequence[float] | float, per_node: int 
     return {"intra": intra, "inter": inter}
 
 
+def _times(t: Terms, groups: int) -> Terms:
+    """`groups` copies of one group's allreduce running at once: the same critical path, more bytes in all."""
+    return Terms(t.messages, t.bytes_sent, t.bytes_reduced, t.bytes_total * groups)
+
+
 def _scaled(t: Terms, f: Formula) -> Terms:
     """The float32 counts with the bytes sent and added in the strategy's own itemsizes."""
-    return Terms(t.messages, t.bytes_sent * f.wire_bytes / _FLOAT32, t.bytes_reduced * f.reduce_bytes / _FLOAT32)
+    wire = f.wire_bytes / _FLOAT32
+    return Terms(t.messages, t.bytes_sent * wire, t.bytes_reduced * f.reduce_bytes / _FLOAT32, t.bytes_total * wire)
 
 
 def seconds(levels: dict[str, Terms], intra: Link, inter: Link, gamma: float = 0.0) -> float:
     """The model's time for `terms`' output: each level on its own link, the additions at γ per byte."""
-    return sum(t.messages * link.alpha + t.bytes_sent * link.beta + t.bytes_reduced * gamma
-               for t, link in ((levels["intra"], intra), (levels["inter"], inter)))
+    return sum(t.messages * link.alpha + (t.bytes_total if link.shared else t.bytes_sent) * link.beta
+               + t.bytes_reduced * gamma for t, link in ((levels["intra"], intra), (levels["inter"], inter)))
 
 
 # --- the fit ------------------------------------------------------------------------------------
@@ -208,10 +225,11 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-def features(row: dict) -> tuple[float, float, float] | None:
+def features(row: dict, shared: bool = False) -> tuple[float, float, float] | None:
     """(m, b, r) of a `jdp bench allreduce` row, all levels on the one link measured; None if no formula.
 
-    A hierarchical row needs `hosts` (H) to split its k devices into H × k/H.
+    With `shared`, b is the bytes all devices send (see `Link`). A hierarchical row needs `hosts`
+    (H) to split its k devices into H × k/H.
     """
     name, k = row["algorithm"], row["devices"]
     f = formula(name)
@@ -220,20 +238,23 @@ def features(row: dict) -> tuple[float, float, float] | None:
     per_node = k // row["hosts"] if f.hierarchical else None
     levels = terms(name, k, row["size_bytes"], per_node)
     total = levels["intra"] + levels["inter"]
+    if shared:  # the same cores copy and add: the additions' time is inside β
+        return total.messages, total.bytes_total, 0.0
     return total.messages, total.bytes_sent, total.bytes_reduced
 
 
-def fit(rows: Sequence[dict]) -> dict:
+def fit(rows: Sequence[dict], shared: bool = False) -> dict:
     """α, β, γ ≥ 0 of one algorithm from its rows (time_us over sizes × device counts).
 
     Least squares on relative error (each row divided by its time), so a 4 KiB buffer counts as
     much as a 64 MiB one. γ is fitted only if bytes reduced is not a multiple of bytes sent.
+    `shared`: the link is one medium all devices' bytes cross (see `Link`).
 
     Returns:
       alpha_s, beta_s_per_byte, gamma_s_per_byte, gamma_fitted, rows, and residuals: each row's
       devices, size_bytes, measured_us, predicted_us and relative_error.
     """
-    x = np.array([features(r) for r in rows], dtype=float)
+    x = np.array([features(r, shared) for r in rows], dtype=float)
     t = np.array([r["time_us"] * 1e-6 for r in rows])
     with_gamma = np.linalg.matrix_rank(x / np.linalg.norm(x, axis=0).clip(1e-300), tol=1e-9) == 3
     design = x if with_gamma else x[:, :2]
@@ -243,7 +264,7 @@ def fit(rows: Sequence[dict]) -> dict:
     predicted = x @ np.array([alpha, beta, gamma])
     return {
         "alpha_s": float(alpha), "beta_s_per_byte": float(beta), "gamma_s_per_byte": float(gamma),
-        "gamma_fitted": bool(with_gamma), "rows": len(rows),
+        "gamma_fitted": bool(with_gamma), "shared": shared, "rows": len(rows),
         "residuals": [{"devices": r["devices"], "size_bytes": r["size_bytes"], "measured_us": r["time_us"],
                        "predicted_us": float(p * 1e6), "relative_error": float(p / m - 1)}
                       for r, p, m in zip(rows, predicted, t)],
@@ -252,12 +273,14 @@ def fit(rows: Sequence[dict]) -> dict:
 
 def predict_us(model: dict, row: dict) -> float:
     """A fitted algorithm's time in µs for a row's (algorithm, devices, size_bytes[, hosts])."""
-    m, b, r = features(row)
+    m, b, r = features(row, model["shared"])
     return (m * model["alpha_s"] + b * model["beta_s_per_byte"] + r * model["gamma_s_per_byte"]) * 1e6
 
 
-def fit_all(rows: Sequence[dict], held_out: int | None = None, say=print) -> dict:
+def fit_all(rows: Sequence[dict], held_out: int | None = None, shared: bool = False, say=print) -> dict:
     """Fits every algorithm in `rows`; with `held_out`, on the other device counts, and predicts that one.
+
+    `shared`: the devices share one link (simulated CPU devices share the host's memory; see `Link`).
 
     Algorithms with no formula (or too few rows) are skipped with one line through `say`.
 
@@ -277,7 +300,7 @@ def fit_all(rows: Sequence[dict], held_out: int | None = None, say=print) -> dic
         if len(train) < 2:
             say(f"fit: skipping `{name}`: {len(train)} row(s) to fit")
             continue
-        fits[name] = fit(train)
+        fits[name] = fit(train, shared)
         test = [r for r in mine if r["devices"] == held_out]
         if test:
             errors = [predict_us(fits[name], r) / r["time_us"] - 1 for r in test]
@@ -286,7 +309,7 @@ def fit_all(rows: Sequence[dict], held_out: int | None = None, say=print) -> dic
                           "errors": [{"size_bytes": r["size_bytes"], "measured_us": r["time_us"],
                                       "predicted_us": predict_us(fits[name], r), "relative_error": e}
                                      for r, e in zip(test, errors)]}
-    record: dict = {"algorithms": fits, "held_out": None}
+    record: dict = {"link": "shared" if shared else "per-device", "algorithms": fits, "held_out": None}
     if held:
         every = [abs(e["relative_error"]) for h in held.values() for e in h["errors"]]
         record["held_out"] = {"devices": held_out, "fitted_on": sorted({r["devices"] for r in rows} - {held_out}),
