@@ -179,3 +179,35 @@ def predicted_scaling(rows: Sequence[dict], title: str = "") -> Figure:
     figure.suptitle(title, fontsize=8)
     figure.tight_layout()
     return figure
+
+
+def fitted_vs_measured(record: dict, title: str = "") -> Figure:
+    """The α–β fit's check: predicted against measured allreduce time, one colour per algorithm.
+
+    Dots are the rows the fit saw; crosses the held-out device count's rows, predicted without them.
+    The diagonal is a perfect prediction, the dashed lines ±30%.
+
+    Args:
+      record: `jdp bench allreduce --fit`'s fit.json (algorithms: {name: residuals}, held_out).
+      title: shown above the plot.
+    """
+    figure, ax = _figure((5.5, 4.2))
+    held = (record.get("held_out") or {}).get("per_algorithm", {})
+    times = []
+    for name, fit in record["algorithms"].items():
+        rows = fit["residuals"]
+        dots = ax.scatter([r["measured_us"] for r in rows], [r["predicted_us"] for r in rows], s=12, alpha=0.6,
+                          label=name)
+        errors = held.get(name, {}).get("errors", [])
+        ax.scatter([e["measured_us"] for e in errors], [e["predicted_us"] for e in errors], marker="x", s=40,
+                   color=dots.get_facecolor()[0])
+        times += [r["measured_us"] for r in rows] + [e["measured_us"] for e in errors]
+    low, high = min(times) / 1.5, max(times) * 1.5
+    ax.plot([low, high], [low, high], color="gray", linewidth=1)
+    for factor in (0.7, 1.3):
+        ax.plot([low, high], [low * factor, high * factor], color="gray", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured time (µs)")
+    ax.set_ylabel("predicted time (µs)")
+    return _finish(figure, ax, title)

@@ -110,6 +110,7 @@ def test_bench_allreduce_fit_writes_fit_json(tmp_path, capsys):
     assert set(record["algorithms"]) == {"ring", "tree", "manual"}
     assert {"alpha_s", "beta_s_per_byte", "gamma_s_per_byte", "residuals"} <= set(record["algorithms"]["ring"])
     assert record["held_out"]["median_relative_error"] < 1e-9 and len(record["load_average_per_run"]) == 3
+    assert (tmp_path / "fit" / "fit.png").stat().st_size > 1000
     assert main(["bench", "allreduce", "--fit", *runs, "--hold-out", "16"]) == 2
 
 
@@ -156,3 +157,15 @@ def test_on_a_shared_host_every_flat_algorithm_moves_the_same_bytes_and_the_fit_
     assert f["shared"] and f["alpha_s"] == pytest.approx(3e-5) and f["beta_s_per_byte"] == pytest.approx(1e-9)
     link = cost.Link(f["alpha_s"], f["beta_s_per_byte"], shared=True)
     assert cost.seconds(cost.terms("ring", 3, 1 << 20), link, link) * 1e6 == pytest.approx(rows[4]["time_us"])
+
+
+def test_predict_reads_compute_time_from_bench_train(tmp_path, capsys):
+    train = tmp_path / "bench_train.json"
+    train.write_text(json.dumps({"results": [{"precision": "float32", "devices": 1, "images_per_s": 500.0},
+                                             {"precision": "float32", "devices": 2, "images_per_s": 900.0}]}))
+    out = tmp_path / "p"
+    assert main(["predict", "--model", "lenet", "--train-json", str(train), "--batch-per-device", "10",
+                 "--network", "nvlink4-ib-ndr", "--devices", "8", "--out", str(out)]) == 0
+    record = json.loads((out / "predict.json").read_text())
+    assert record["compute_ms"] == pytest.approx(20.0) and record["gradient_bytes"] == 4 * 129_068  # LeNet's params
+    assert main(["predict", "--model", "lenet", "--compute-ms-per-image", "1", "--train-json", str(train)]) == 2

@@ -55,7 +55,7 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
                    help="bytes per device: LO..HI (each ×4 the last) or a comma list; units B, KiB, MiB, GiB")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per algorithm and size (median reported)")
     p.add_argument("--out", default=None, metavar="DIR",
-                   help="write allreduce.json and allreduce.png here (with --fit: fit.json)")
+                   help="write allreduce.json and allreduce.png here (with --fit: fit.json and fit.png)")
     fitting = p.add_argument_group("fitting saved runs (docs/allreduce.md#the-cost-model)")
     fitting.add_argument("--fit", nargs="+", default=None, metavar="RUN_JSON",
                          help="measure nothing: fit α, β, γ per algorithm to these allreduce.json files together "
@@ -271,6 +271,8 @@ def load_runs(paths: Sequence[str]) -> list[dict]:
 
 def run_fit(args: argparse.Namespace) -> int:
     """`--fit`: one fit over saved runs, optionally holding out one device count."""
+    from jdp import plot
+
     out = check_out_dir(args.out)
     runs = load_runs(args.fit)
     rows = [r for run in runs for r in run["results"]]
@@ -290,7 +292,10 @@ def run_fit(args: argparse.Namespace) -> int:
                 **{key: runs[0].get(key) for key in fields},
                 "load_average_per_run": [run.get("load_average") for run in runs], **record}
         (out / "fit.json").write_text(json.dumps(full, indent=2) + "\n")
-        print(f"wrote {out / 'fit.json'}")
+        held = f", x: {args.hold_out} devices held out" if args.hold_out is not None else ""
+        title = f"α–β fit on {counts} devices{held}"
+        plot.save(plot.fitted_vs_measured(full, title=title), out / "fit.png")
+        print(f"wrote {out / 'fit.json'} and {out / 'fit.png'}")
     return 0
 
 
