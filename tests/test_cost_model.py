@@ -45,7 +45,7 @@ def test_star_and_hierarchical_terms():
     assert (star.messages, star.bytes_sent, star.bytes_reduced) == (14, 14 * n, 7 * n)
     levels = cost.terms("hierarchical", 8, n, per_node=4)  # 2 hosts × 4
     assert levels["intra"] == cost.Terms(6, 2 * 3 / 4 * n, 3 / 4 * n, 2 * (2 * 3 * n))  # 2 node rings
-    assert levels["inter"] == cost.Terms(2, 2 * 1 / 2 * n / 4, 1 / 2 * n / 4, 4 * (2 * 1 * n / 4))  # 4 rings of 2
+    assert levels["inter"] == cost.Terms(2, 2 * 1 / 2 * n / 4, 1 / 2 * n / 4, 4 * (2 * 1 * n / 4), 4)  # 4 rings of 2
     tree = cost.terms("hierarchical:tree", 16, n, per_node=4)["inter"]
     alone = cost.flat_terms("tree", 4, n / 4)
     assert (tree.messages, tree.bytes_sent, tree.bytes_total) == (alone.messages, alone.bytes_sent, 4 * alone.bytes_total)

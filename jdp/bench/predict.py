@@ -6,9 +6,10 @@ bound: DDP-style overlap hides part of it). Weak scaling: each device keeps its 
 efficiency at k devices is compute / step.
 
 The network is either a `jdp bench allreduce --fit` (measured here, one link) or a named cluster:
-nodes of G devices, an intra-node link and an inter-node NIC. A flat algorithm spanning nodes runs
-at the pace of its slowest link (one NIC); `hierarchical` sends only its N/L chunks across nodes,
-all L local devices at once through the node's NICs. Link presets, from their specifications:
+nodes of G devices, an intra-node link and inter-node NICs. A flat algorithm spanning nodes runs
+at the pace of its slowest link, the NIC: the ring through one device of a node at a time, the
+tree's long-distance steps with all G devices of a node sharing its NICs; `hierarchical` sends only
+N/G-byte chunks across nodes, all G devices at once. Link presets, from their specifications:
 
 ===========  ==========================  =======================================================
 link         bandwidth per direction     source
@@ -65,7 +66,7 @@ CLUSTERS = {
                            "8 GPUs per node on PCIe 4.0 x16, one 10 GbE NIC per node"),
 }
 DEFAULT_STRATEGIES = ("manual+fused", "ring", "ring+fused", "tree+fused", "hierarchical+fused",
-                      "hierarchical:tree+fused", "ring+fused+bfloat16-wire")
+                      "hierarchical:tree+fused", "ring+bfloat16-wire+fused", "hierarchical+bfloat16-wire+fused")
 DEFAULT_COUNTS = "8,16,32,64,128,256,512,1024"
 
 
@@ -83,10 +84,7 @@ def allreduce_seconds(strategy: str, k: int, leaf_bytes: Sequence[float], networ
         if f.hierarchical and k % min(k, per_node):
             return None
         levels = cost.terms(strategy, k, leaf_bytes, per_node)
-        inter = network.inter
-        if f.hierarchical:  # every local device sends its N/L chunks at once, through the node's NICs
-            local = min(k, per_node)
-            inter = cost.Link(inter.alpha, inter.beta * local / network.nics)
+        inter = cost.Link(network.inter.alpha, network.inter.beta, network.inter.name, ports=network.nics)
         return cost.seconds(levels, network.intra, inter)
     base = strategy.split("+")[0]
     model = network["algorithms"].get(base) or network["algorithms"].get("ring" if f.hierarchical else base)
@@ -135,15 +133,15 @@ def gradient_leaf_bytes(model_name: str) -> list[int]:
 def format_table(rows: Sequence[dict], strategies: Sequence[str], header: str) -> str:
     """Step time (ms) and efficiency per strategy and device count; `*` marks the best."""
     shown = [s for s in strategies if any(s in r["strategies"] for r in rows)]
-    width = max(14, *(len(s) for s in shown)) if shown else 14
-    lines = [f"# {header}", f"{'devices':>8} {'compute':>9}  " + "  ".join(f"{s:>{width}}" for s in shown)]
+    widths = [max(13, len(s)) for s in shown]
+    lines = [f"# {header}", f"{'devices':>7} {'compute':>7}  " + "  ".join(f"{s:>{w}}" for s, w in zip(shown, widths))]
     for r in rows:
         cells = []
-        for s in shown:
+        for s, w in zip(shown, widths):
             p = r["strategies"].get(s)
             cell = "-" if p is None else f"{p['step_ms']:.2f} {p['efficiency']:4.0%}{'*' if s == r['best'] else ' '}"
-            cells.append(f"{cell:>{width}}")
-        lines.append(f"{r['devices']:>8} {r['compute_ms']:>9.2f}  " + "  ".join(cells))
+            cells.append(f"{cell:>{w}}")
+        lines.append(f"{r['devices']:>7} {r['compute_ms']:>7.2f}  " + "  ".join(cells))
     lines.append("step ms and scaling efficiency (compute / step) per strategy; * the fastest at that count")
     return "\n".join(lines)
 

@@ -22,6 +22,11 @@ hierarchical (H×L)   intra: 2(L−1)                intra: 2(L−1)/L·N       
                      inter: the outer strategy's m, b, r on H devices and N/L bytes
 ===================  ===========================  ==========================  ========================
 
+Across nodes of L devices (numbered node by node) a flat ring's every step crosses between nodes
+through one device of each node; the tree's steps at distance ≥ L cross with all L devices of a
+node at once, 2(1 − L/p)·N of its bytes; the hierarchical allreduce's outer level has all L
+devices of a node sending N/L-byte chunks at once. Devices sending at once share the node's NICs.
+
 Wrappers change the counts: `+fused` sends one buffer (one set of m) instead of one per leaf,
 `+buckets<M>MB` one per bucket of ≤ M MiB; a `+bfloat16-wire` ring sends half the bytes but adds
 in float32 (b halves, r does not); `+bfloat16` casts before the allreduce (b and r halve).
@@ -60,10 +65,12 @@ class Terms:
     bytes_sent: float = 0.0
     bytes_reduced: float = 0.0
     bytes_total: float = 0.0  # summed over the devices: what a link they all share carries
+    concurrent: float = 1.0  # devices of a node sending across nodes at once, sharing its NICs
 
     def __add__(self, other: "Terms") -> "Terms":
         return Terms(self.messages + other.messages, self.bytes_sent + other.bytes_sent,
-                     self.bytes_reduced + other.bytes_reduced, self.bytes_total + other.bytes_total)
+                     self.bytes_reduced + other.bytes_reduced, self.bytes_total + other.bytes_total,
+                     max(self.concurrent, other.concurrent))
 
 
 @dataclass(frozen=True)
@@ -72,13 +79,15 @@ class Link:
 
     `shared`: one medium that every device's bytes cross, like the memory of one host whose CPU
     devices are simulated; the bytes are then all devices' (2(k−1)·N for every flat algorithm),
-    not the busiest device's.
+    not the busiest device's. `ports`: a node's NICs of this kind; c devices sending across nodes
+    at once share them, each at max(1, c / ports)·β.
     """
 
     alpha: float
     beta: float
     name: str = ""
     shared: bool = False
+    ports: int = 1
 
 
 def flat_terms(algorithm: str, k: int, nbytes: float) -> Terms:
@@ -179,29 +188,58 @@ def terms(name: str, k: int, leaf_bytes: Sequence[float] | float, per_node: int 
                 raise ValueError(f"hierarchical needs whole nodes: {k} devices, {local} per node")
             hosts = k // local  # H nodes' rings of L, then L outer allreduces of N/L over H devices
             intra += _scaled(_times(flat_terms("ring", local, nbytes), hosts), f)
-            inter += _scaled(_times(flat_terms(f.algorithm, hosts, nbytes / local), local), f)
+            outer = _times(flat_terms(f.algorithm, hosts, nbytes / local), local)
+            inter += _scaled(Terms(outer.messages, outer.bytes_sent, outer.bytes_reduced, outer.bytes_total, local), f)
         elif local == k:
             intra += _scaled(flat_terms(f.algorithm, k, nbytes), f)
-        else:
+        elif f.algorithm == "tree":
+            near, far = _tree_across_nodes(k, local, nbytes)
+            intra += _scaled(near, f)
+            inter += _scaled(far, f)
+        else:  # the ring (numbered node by node) and the star's root: one device of a node crosses at a time
             inter += _scaled(flat_terms(f.algorithm, k, nbytes), f)
     return {"intra": intra, "inter": inter}
 
 
+def _tree_across_nodes(k: int, local: int, nbytes: float) -> tuple[Terms, Terms]:
+    """Recursive halving/doubling over nodes of `local` devices numbered node by node.
+
+    A step at distance d ≥ L pairs devices of different nodes, all L of a node at once: the first
+    halving steps (and last doubling steps), which move the most bytes, 2(1 − L/p)·N; the fold
+    of the k − p extra devices crosses nodes too. The steps at d < L stay within a node.
+    """
+    whole = flat_terms("tree", k, nbytes)
+    p = 1 << (k.bit_length() - 1)
+    if p % local:  # nodes not aligned with the exchange's halves: price every step across nodes
+        return Terms(), Terms(whole.messages, whole.bytes_sent, whole.bytes_reduced, whole.bytes_total, local)
+    near = Terms(2 * math.log2(local), 2 * (local - 1) / p * nbytes, (local - 1) / p * nbytes,
+                 k * 2 * (local - 1) / p * nbytes)
+    return near, Terms(whole.messages - near.messages, whole.bytes_sent - near.bytes_sent,
+                       whole.bytes_reduced - near.bytes_reduced, whole.bytes_total - near.bytes_total, local)
+
+
 def _times(t: Terms, groups: int) -> Terms:
     """`groups` copies of one group's allreduce running at once: the same critical path, more bytes in all."""
-    return Terms(t.messages, t.bytes_sent, t.bytes_reduced, t.bytes_total * groups)
+    return Terms(t.messages, t.bytes_sent, t.bytes_reduced, t.bytes_total * groups, t.concurrent)
 
 
 def _scaled(t: Terms, f: Formula) -> Terms:
     """The float32 counts with the bytes sent and added in the strategy's own itemsizes."""
     wire = f.wire_bytes / _FLOAT32
-    return Terms(t.messages, t.bytes_sent * wire, t.bytes_reduced * f.reduce_bytes / _FLOAT32, t.bytes_total * wire)
+    return Terms(t.messages, t.bytes_sent * wire, t.bytes_reduced * f.reduce_bytes / _FLOAT32, t.bytes_total * wire,
+                 t.concurrent)
 
 
 def seconds(levels: dict[str, Terms], intra: Link, inter: Link, gamma: float = 0.0) -> float:
     """The model's time for `terms`' output: each level on its own link, the additions at γ per byte."""
-    return sum(t.messages * link.alpha + (t.bytes_total if link.shared else t.bytes_sent) * link.beta
-               + t.bytes_reduced * gamma for t, link in ((levels["intra"], intra), (levels["inter"], inter)))
+    total = 0.0
+    for t, link in ((levels["intra"], intra), (levels["inter"], inter)):
+        if link.shared:
+            total += t.messages * link.alpha + t.bytes_total * link.beta + t.bytes_reduced * gamma
+        else:
+            beta = link.beta * max(1.0, t.concurrent / link.ports)
+            total += t.messages * link.alpha + t.bytes_sent * beta + t.bytes_reduced * gamma
+    return total
 
 
 # --- the fit ------------------------------------------------------------------------------------
