@@ -169,3 +169,18 @@ def test_predict_reads_compute_time_from_bench_train(tmp_path, capsys):
     record = json.loads((out / "predict.json").read_text())
     assert record["compute_ms"] == pytest.approx(20.0) and record["gradient_bytes"] == 4 * 129_068  # LeNet's params
     assert main(["predict", "--model", "lenet", "--compute-ms-per-image", "1", "--train-json", str(train)]) == 2
+
+
+def test_ib_ndr_preset_predicts_nccl_ring_bandwidth_per_nic():
+    """Calibration of the InfiniBand NDR preset (from its 400 Gb/s line rate) against a published rate.
+
+    Source: NVIDIA's David Addison (AddyLaddy), https://github.com/NVIDIA/nccl-tests/issues/290
+    (2025-03-03), on H100 nodes over InfiniBand with NCCL_ALGO=RING: "For NDR @ 400Gbps you
+    should see 46-48GB/s per NIC." Modelled: 2 nodes, one GPU and one NDR NIC each, an 8 GiB ring.
+    """
+    published_per_nic = 47e9  # the middle of 46-48 GB/s
+    two_nodes = predict.Cluster(1, predict.LINKS["nvlink4"], predict.LINKS["ib-ndr"], 1, "1 GPU + 1 NDR NIC per node")
+    k, size = 2, 8 * 2**30
+    t = predict.allreduce_seconds("ring", k, [size], two_nodes)
+    predicted_busbw = size / t * 2 * (k - 1) / k
+    assert abs(predicted_busbw / published_per_nic - 1) <= 0.25, predicted_busbw / 1e9
