@@ -184,3 +184,17 @@ def test_ib_ndr_preset_predicts_nccl_ring_bandwidth_per_nic():
     t = predict.allreduce_seconds("ring", k, [size], two_nodes)
     predicted_busbw = size / t * 2 * (k - 1) / k
     assert abs(predicted_busbw / published_per_nic - 1) <= 0.25, predicted_busbw / 1e9
+
+
+def test_fit_reads_hierarchical_rows_by_their_hosts_and_skips_them_without():
+    rows = []
+    for k, hosts in ((4, 2), (8, 2), (8, 4)):
+        for size in (4096, 1 << 20, 1 << 24):
+            row = {"algorithm": "hierarchical:tree", "devices": k, "hosts": hosts, "size_bytes": size}
+            m, b, _ = cost.features(row)
+            rows.append({**row, "time_us": (m * 2e-5 + b * 1e-9) * 1e6})
+    f = cost.fit_all(rows)["algorithms"]["hierarchical:tree"]
+    assert f["alpha_s"] == pytest.approx(2e-5) and f["beta_s_per_byte"] == pytest.approx(1e-9)
+    said = []
+    assert cost.fit_all([{k: v for k, v in r.items() if k != "hosts"} for r in rows], say=said.append)["algorithms"] == {}
+    assert said == ["fit: skipping `hierarchical:tree`: its rows do not say how many hosts (`hosts`) its devices are on"]

@@ -332,7 +332,9 @@ def fit_all(rows: Sequence[dict], held_out: int | None = None, shared: bool = Fa
     fits, held = {}, {}
     for name, mine in by_name.items():
         if features(mine[0]) is None:
-            say(f"fit: skipping `{name}`: no cost formula for it in jdp.parallel.cost")
+            why = ("its rows do not say how many hosts (`hosts`) its devices are on" if formula(name)
+                   else "no cost formula for it in jdp.parallel.cost")
+            say(f"fit: skipping `{name}`: {why}")
             continue
         train = [r for r in mine if r["devices"] != held_out]
         if len(train) < 2:
