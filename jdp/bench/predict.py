@@ -162,8 +162,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--compute-ms-per-image", type=float, default=None, metavar="MS",
                    help="forward+backward time per image on one device")
     p.add_argument("--train-json", default=None, metavar="PATH",
-                   help="instead of --compute-ms-per-image: the bench_train.json of `jdp bench train --out` (its 1-device "
-                   "step time per image)")
+                   help="instead of --compute-ms-per-image: the bench_train.json of `jdp bench train --out` (1 / its float32 "
+                   "1-device images per second)")
     p.add_argument("--batch-per-device", type=int, default=32, help="images per device per step")
     p.add_argument("--network", default="nvlink4-ib-ndr", help=f"a preset ({', '.join(CLUSTERS)}) or a fit.json")
     p.add_argument("--devices", default=DEFAULT_COUNTS, help="device counts, comma-separated")
