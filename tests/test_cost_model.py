@@ -198,3 +198,11 @@ def test_fit_reads_hierarchical_rows_by_their_hosts_and_skips_them_without():
     said = []
     assert cost.fit_all([{k: v for k, v in r.items() if k != "hosts"} for r in rows], say=said.append)["algorithms"] == {}
     assert said == ["fit: skipping `hierarchical:tree`: its rows do not say how many hosts (`hosts`) its devices are on"]
+
+
+def test_hierarchical_bf16_wire_halves_only_the_bytes_across_hosts():
+    plain = cost.terms("hierarchical", 8, 1000.0, per_node=4)
+    wire = cost.terms("hierarchical+bfloat16-wire", 8, 1000.0, per_node=4)
+    assert wire["intra"] == plain["intra"] and wire["inter"].bytes_sent == plain["inter"].bytes_sent / 2
+    cast = cost.terms("hierarchical+bfloat16", 8, 1000.0, per_node=4)
+    assert cast["intra"].bytes_sent == plain["intra"].bytes_sent / 2

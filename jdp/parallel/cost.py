@@ -29,7 +29,8 @@ devices of a node sending N/L-byte chunks at once. Devices sending at once share
 
 Wrappers change the counts: `+fused` sends one buffer (one set of m) instead of one per leaf,
 `+buckets<M>MB` one per bucket of ≤ M MiB; a `+bfloat16-wire` ring sends half the bytes but adds
-in float32 (b halves, r does not); `+bfloat16` casts before the allreduce (b and r halve).
+in float32 (b halves, r does not; in `hierarchical`, its outer ring's b only); `+bfloat16` casts
+before the allreduce (b and r halve).
 
 In every algorithm r = b/2, so γ and β cannot be told apart from one algorithm's times: the fit
 keeps γ only if its column is independent of the others and folds it into β otherwise.
@@ -49,7 +50,7 @@ import math
 import re
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -187,7 +188,8 @@ def terms(name: str, k: int, leaf_bytes: Sequence[float] | float, per_node: int 
             if k % local:
                 raise ValueError(f"hierarchical needs whole nodes: {k} devices, {local} per node")
             hosts = k // local  # H nodes' rings of L, then L outer allreduces of N/L over H devices
-            intra += _scaled(_times(flat_terms("ring", local, nbytes), hosts), f)
+            inner = replace(f, wire_bytes=f.reduce_bytes)  # a wire dtype is the outer strategy's
+            intra += _scaled(_times(flat_terms("ring", local, nbytes), hosts), inner)
             outer = _times(flat_terms(f.algorithm, hosts, nbytes / local), local)
             inter += _scaled(Terms(outer.messages, outer.bytes_sent, outer.bytes_reduced, outer.bytes_total, local), f)
         elif local == k:
