@@ -148,3 +148,66 @@ def bytes_per_device(rows: Sequence[dict], title: str = "") -> Figure:
         figure.suptitle(title, fontsize=9)
     figure.tight_layout()
     return figure
+
+
+def predicted_scaling(rows: Sequence[dict], title: str = "") -> Figure:
+    """`jdp predict`'s picture: step time and scaling efficiency against devices, one line per strategy.
+
+    Args:
+      rows: `jdp predict` rows (devices, strategies: {name: step_ms, efficiency}, best).
+      title: shown above the plots.
+    """
+    figure = Figure(figsize=(9.5, 3.8))
+    time_ax, efficiency_ax = figure.subplots(1, 2)
+    names = list(dict.fromkeys(name for r in rows for name in r["strategies"]))
+    for name in names:
+        mine = [r for r in rows if name in r["strategies"]]
+        xs = [r["devices"] for r in mine]
+        line, = time_ax.plot(xs, [r["strategies"][name]["step_ms"] for r in mine], marker=".", label=name)
+        efficiency_ax.plot(xs, [r["strategies"][name]["efficiency"] for r in mine], marker=".", color=line.get_color())
+        best = [r for r in mine if r["best"] == name]  # the fastest strategy at that count: a ring around it
+        time_ax.scatter([r["devices"] for r in best], [r["strategies"][name]["step_ms"] for r in best], s=90,
+                        facecolors="none", edgecolors=line.get_color())
+    for ax, label in ((time_ax, "step time (ms)"), (efficiency_ax, "scaling efficiency (compute / step)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("devices")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, which="both")
+    time_ax.set_yscale("log")
+    efficiency_ax.set_ylim(0, 1.02)
+    time_ax.legend(fontsize=7, title="circled: fastest", title_fontsize=7)
+    figure.suptitle(title, fontsize=8)
+    figure.tight_layout()
+    return figure
+
+
+def fitted_vs_measured(record: dict, title: str = "") -> Figure:
+    """The α–β fit's check: predicted against measured allreduce time, one colour per algorithm.
+
+    Dots are the rows the fit saw; crosses the held-out device count's rows, predicted without them.
+    The diagonal is a perfect prediction, the dashed lines ±30%.
+
+    Args:
+      record: `jdp bench allreduce --fit`'s fit.json (algorithms: {name: residuals}, held_out).
+      title: shown above the plot.
+    """
+    figure, ax = _figure((5.5, 4.2))
+    held = (record.get("held_out") or {}).get("per_algorithm", {})
+    times = []
+    for name, fit in record["algorithms"].items():
+        rows = fit["residuals"]
+        dots = ax.scatter([r["measured_us"] for r in rows], [r["predicted_us"] for r in rows], s=12, alpha=0.6,
+                          label=name)
+        errors = held.get(name, {}).get("errors", [])
+        ax.scatter([e["measured_us"] for e in errors], [e["predicted_us"] for e in errors], marker="x", s=40,
+                   color=dots.get_facecolor()[0])
+        times += [r["measured_us"] for r in rows] + [e["measured_us"] for e in errors]
+    low, high = min(times) / 1.5, max(times) * 1.5
+    ax.plot([low, high], [low, high], color="gray", linewidth=1)
+    for factor in (0.7, 1.3):
+        ax.plot([low, high], [low * factor, high * factor], color="gray", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured time (µs)")
+    ax.set_ylabel("predicted time (µs)")
+    return _finish(figure, ax, title)

@@ -200,6 +200,8 @@ def test_bench_allreduce_quick(tmp_path, capsys):
         assert r["algbw_gbps"] == pytest.approx(r["size_bytes"] / r["time_us"] / 1e3)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 4 / 3)
     assert record["platform"] == "cpu" and isinstance(record["jax_version"], str)
+    assert record["fit"]["link"] == "shared" and set(record["fit"]["algorithms"]) == {"psum", "manual", "tree"}
+    assert all(len(f["residuals"]) == 2 and f["alpha_s"] >= 0 for f in record["fit"]["algorithms"].values())
     assert (tmp_path / "allreduce.png").stat().st_size > 1000
 
 

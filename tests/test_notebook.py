@@ -1,5 +1,6 @@
 """Executes the lesson notebook top to bottom in quick mode so it can never silently rot."""
 
+import json
 from pathlib import Path
 
 import nbformat
@@ -34,3 +35,34 @@ def test_committed_notebook_keeps_full_run_outputs():
     assert text.count("test acc: 0.8") == 2, "commit the notebook with the outputs of a full run"
     assert any("image/png" in out.get("data", {}) for cell in notebook.cells if cell.cell_type == "code"
                for out in cell.get("outputs", []))
+
+
+WHICH_ALLREDUCE = NOTEBOOK.parent / "which_allreduce.ipynb"
+
+
+@pytest.mark.slow
+def test_which_allreduce_notebook_measures_fits_and_predicts(tmp_path, monkeypatch):
+    """notebooks/which_allreduce.ipynb in quick mode: 4 device counts measured, a held-out fit, 5 predictions."""
+    monkeypatch.setenv("JDP_NOTEBOOK_QUICK", "1")
+    notebook = nbformat.read(WHICH_ALLREDUCE, as_version=4)
+    client = NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.get("outputs", [])]
+    text = "".join(out.get("text", "") for out in outputs)
+    assert not any(out.get("output_type") == "error" for out in outputs)
+    assert text.count("jdp bench allreduce: ") == 4 and "held out: 8 devices, fitted on [2, 3, 4]" in text
+    assert text.count("# jdp predict: ") == 5 and text.count("*") >= 5 * 3
+    assert sum("image/png" in out.get("data", {}) for out in outputs) == 3  # the fit, ResNet-18 on two clusters
+    runs = tmp_path / "which_allreduce"
+    fit = json.loads((runs / "fit" / "fit.json").read_text())
+    assert fit["link"] == "shared" and fit["held_out"]["devices"] == 8
+    assert all(f["alpha_s"] >= 0 and f["beta_s_per_byte"] >= 0 for f in fit["algorithms"].values())
+    assert len(list(runs.glob("predict-*/predict.png"))) == 4
+
+
+def test_committed_which_allreduce_keeps_a_full_run():
+    """The committed copy shows a full run's outputs: the sweep's largest size and the figures."""
+    notebook = nbformat.read(WHICH_ALLREDUCE, as_version=4)
+    outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.get("outputs", [])]
+    assert "4194304" in "".join(out.get("text", "") for out in outputs), "commit it after a full (not quick) run"
+    assert sum("image/png" in out.get("data", {}) for out in outputs) == 3

@@ -6,6 +6,10 @@ algbw = S / t and busbw = algbw · 2(k−1)/k. busbw is what each link of a band
 carries, so it can be compared across device counts and with the hardware's link bandwidth.
 Each buffer holds small integers, so every order of summation gives the exact sum: `#wrong`
 counts the elements, on every device, that differ from it (it must be 0).
+
+Each run also fits the α–β–γ model of every algorithm to its times (`jdp.parallel.cost`).
+One process has one device count, so `--fit RUN.json ...` fits saved runs of several counts
+together, and `--hold-out K` leaves count K out of the fit and reports how well it is predicted.
 """
 
 import argparse
@@ -15,6 +19,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +27,7 @@ import jax.numpy as jnp
 from jdp.bench.machine import machine, where
 from jdp.errors import ConfigError, check_positive
 from jdp.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
-from jdp.parallel import allreduce
+from jdp.parallel import allreduce, cost
 from jdp.parallel.inflight import InFlight
 from jdp.parallel.layout import BACKENDS, map_over_devices, sharded
 from jdp.runtime.devices import AXIS
@@ -30,6 +35,7 @@ from jdp.runtime.devices import AXIS
 DEFAULT_SIZES = "4KiB..64MiB"
 _UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 _ITEMSIZE = 4  # the buffers are float32, as the gradients
+LINK_MODES = ("auto", "per-device", "shared")
 
 
 def add_parser(benchmarks: argparse._SubParsersAction) -> None:
@@ -48,7 +54,18 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help="bytes per device: LO..HI (each ×4 the last) or a comma list; units B, KiB, MiB, GiB")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per algorithm and size (median reported)")
-    p.add_argument("--out", default=None, metavar="DIR", help="write allreduce.json and allreduce.png here")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write allreduce.json and allreduce.png here (with --fit: fit.json and fit.png)")
+    fitting = p.add_argument_group("fitting saved runs (docs/allreduce.md#the-cost-model)")
+    fitting.add_argument("--fit", nargs="+", default=None, metavar="RUN_JSON",
+                         help="measure nothing: fit α, β, γ per algorithm to these allreduce.json files together "
+                         "(e.g. runs with --cpu-devices 2, 4, 6 and 8)")
+    fitting.add_argument("--hold-out", type=int, default=None, metavar="K",
+                         help="with --fit: fit without the runs on K devices, then predict them and report the "
+                         "median and worst relative error")
+    fitting.add_argument("--link", default="auto", choices=LINK_MODES,
+                         help="bytes in the β term: per-device (the busiest device's, as on real links), shared (all "
+                         "devices', as simulated CPU devices share one memory), or auto: shared for CPU runs")
     p.set_defaults(run=run_allreduce_bench)
 
 
@@ -212,9 +229,83 @@ def format_allreduce_table(rows: Sequence[dict], header: str) -> str:
     return "\n".join(lines)
 
 
+def format_fit_table(record: dict) -> str:
+    """α (µs), β (as GB/s), γ and the fit's median residual per algorithm; then the held-out errors."""
+    header = (f"{'algorithm':<22} {'alpha (us)':>10} {'1/beta (GB/s)':>13} {'gamma (s/B)':>11} "
+              f"{'fit median |err|':>16} {'rows':>4}")
+    lines = [header]
+    for name, f in record["algorithms"].items():
+        bandwidth = f"{1e-9 / f['beta_s_per_byte']:.3f}" if f["beta_s_per_byte"] > 0 else "inf"
+        gamma = f"{f['gamma_s_per_byte']:.3g}" if f["gamma_fitted"] else "in beta"
+        median = statistics.median(abs(r["relative_error"]) for r in f["residuals"])
+        lines.append(f"{name:<22} {f['alpha_s'] * 1e6:>10.2f} {bandwidth:>13} {gamma:>11} {median:>16.1%} "
+                     f"{f['rows']:>4}")
+    held = record["held_out"]
+    if held:
+        lines.append(f"held out: {held['devices']} devices, fitted on {held['fitted_on']}; relative error of the "
+                     "predicted time")
+        for name, h in held["per_algorithm"].items():
+            lines.append(f"  {name:<20} median {h['median_relative_error']:6.1%}  worst {h['worst_relative_error']:6.1%}")
+        lines.append(f"  {'all':<20} median {held['median_relative_error']:6.1%}  "
+                     f"worst {held['worst_relative_error']:6.1%}")
+    return "\n".join(lines)
+
+
+def load_runs(paths: Sequence[str]) -> list[dict]:
+    """The `allreduce.json` records at `paths`.
+
+    Raises:
+      ConfigError: if one is missing or not a `jdp bench allreduce` record.
+    """
+    runs = []
+    for path in paths:
+        try:
+            record = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"`fit` has `{path}`, which cannot be read as JSON: {e}.") from None
+        if not isinstance(record, dict) or record.get("benchmark") != "allreduce":
+            raise ConfigError(f"`fit` has `{path}`, not written by `jdp bench allreduce --out`.")
+        runs.append(record)
+    return runs
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    """`--fit`: one fit over saved runs, optionally holding out one device count."""
+    from jdp import plot
+
+    out = check_out_dir(args.out)
+    runs = load_runs(args.fit)
+    rows = [r for run in runs for r in run["results"]]
+    counts = sorted({r["devices"] for r in rows})
+    if args.hold_out is not None and (args.hold_out not in counts or len(counts) < 2):
+        raise ConfigError(f"`hold_out={args.hold_out}` must be one of the runs' device counts {counts}, "
+                          "with at least one other count to fit on.")
+    shared = args.link == "shared" or (args.link == "auto" and all(run.get("platform") == "cpu" for run in runs))
+    record = cost.fit_all(rows, held_out=args.hold_out, shared=shared)
+    print(f"# jdp bench allreduce --fit: t = m·alpha + b·beta + r·gamma per algorithm, over {len(runs)} run(s) on "
+          f"{counts} devices, b = bytes {'all devices send (one shared host)' if shared else 'the busiest device sends'}",
+          flush=True)
+    print(format_fit_table(record), flush=True)
+    if out is not None:
+        fields = ("cpu", "vector_isa", "host_cpus", "python", "jax_version", "xla_flags", "backend", "repeats")
+        full = {"benchmark": "allreduce-fit", "runs": list(args.fit), "devices": counts,
+                **{key: runs[0].get(key) for key in fields},
+                "load_average_per_run": [run.get("load_average") for run in runs], **record}
+        (out / "fit.json").write_text(json.dumps(full, indent=2) + "\n")
+        held = f", x: {args.hold_out} devices held out" if args.hold_out is not None else ""
+        title = f"α–β fit on {counts} devices{held}"
+        plot.save(plot.fitted_vs_measured(full, title=title), out / "fit.png")
+        print(f"wrote {out / 'fit.json'} and {out / 'fit.png'}")
+    return 0
+
+
 def run_allreduce_bench(args: argparse.Namespace) -> int:
     from jdp import plot
 
+    if args.fit is not None:
+        return run_fit(args)
+    if args.hold_out is not None or args.link != "auto":
+        raise ConfigError("`hold_out` and `link` apply to fits of saved runs; add `fit=RUN.json ...`.")
     sizes = parse_sizes(args.sizes)
     check_positive("repeats", args.repeats)
     load_plugins(args.plugin)
@@ -227,7 +318,9 @@ def run_allreduce_bench(args: argparse.Namespace) -> int:
     print(format_allreduce_table(rows, header), flush=True)
     if out is not None:
         record = {"benchmark": "allreduce", **machine(devices), "cpu_devices_simulated": args.cpu_devices,
-                  "backend": args.backend, "repeats": args.repeats, "results": rows}
+                  "backend": args.backend, "repeats": args.repeats, "results": rows,
+                  "fit": cost.fit_all(rows, shared=devices[0].platform == "cpu",
+                                      say=lambda line: print(line, flush=True))}
         (out / "allreduce.json").write_text(json.dumps(record, indent=2) + "\n")
         title = f"allreduce on {len(devices)} {devices[0].platform} devices, float32, median of {args.repeats}"
         plot.save(plot.busbw_vs_size(rows, title=title), out / "allreduce.png")

@@ -139,9 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (allreduce, step, train_bench, memory, formulations):  # each benchmark adds its own subcommand
         module.add_parser(benchmarks)
 
+    from jdp.bench import predict
     from jdp.cli import compare
 
     compare.add_parser(commands)
+    predict.add_parser(commands)
 
     launch = commands.add_parser(
         "launch", help="run a multi-process job on this machine over loopback (simulated CPU devices)",
