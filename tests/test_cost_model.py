@@ -198,6 +198,11 @@ def test_fit_reads_hierarchical_rows_by_their_hosts_and_skips_them_without():
     said = []
     assert cost.fit_all([{k: v for k, v in r.items() if k != "hosts"} for r in rows], say=said.append)["algorithms"] == {}
     assert said == ["fit: skipping `hierarchical:tree`: its rows do not say how many hosts (`hosts`) its devices are on"]
+    named = {"algorithm": "hierarchical:tree:2x4", "devices": 8, "size_bytes": 1 << 20}  # as `bench allreduce` names it
+    assert cost.features(named) == cost.features({**named, "algorithm": "hierarchical:tree", "hosts": 2})
+    assert cost.features(named) != cost.features({**named, "algorithm": "hierarchical:tree", "hosts": 4})
+    grouped = [{**r, "algorithm": f"hierarchical:tree:{r['hosts']}x{r['devices'] // r['hosts']}"} for r in rows]
+    assert cost.fit_all(grouped)["algorithms"]["hierarchical:tree"]["alpha_s"] == pytest.approx(2e-5)
 
 
 def test_hierarchical_bf16_wire_halves_only_the_bytes_across_hosts():

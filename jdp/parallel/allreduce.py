@@ -22,7 +22,8 @@ def _ring_wire(dtype: jnp.dtype) -> Allreduce:
 
 
 OUTER = ("ring", "tree", "psum")  # what a hierarchical allreduce may run across hosts
-_HIERARCHICAL = re.compile(r"hierarchical(?::(?P<outer>ring|tree|psum))?(?::(?P<hosts>\d+)x(?P<local>\d+))?")
+HIERARCHICAL_NAME = re.compile(  # hierarchical[:outer][:HxL], see `hierarchical`
+    r"hierarchical(?::(?P<outer>ring|tree|psum))?(?::(?P<hosts>\d+)x(?P<local>\d+))?")
 
 
 def hierarchical(outer: str = "ring", shape: tuple[int, int] | None = None) -> Allreduce:
@@ -113,7 +114,7 @@ def get(name: str | Allreduce, *, fuse: bool = False, bucket_mb: float | None = 
         strategy = check(name)
     elif name in _STRATEGIES:
         strategy = _STRATEGIES[name]
-    elif match := _HIERARCHICAL.fullmatch(name):
+    elif match := HIERARCHICAL_NAME.fullmatch(name):
         shape = None if match["hosts"] is None else (int(match["hosts"]), int(match["local"]))
         strategy = hierarchical(match["outer"] or "ring", shape)
     else:

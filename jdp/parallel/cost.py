@@ -54,6 +54,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from jdp.parallel.allreduce import HIERARCHICAL_NAME
+
 _FLOAT32 = 4
 _SMALL_DTYPES = {"bfloat16": 2, "float16": 2}
 
@@ -121,16 +123,17 @@ class Formula:
     reduce_bytes: int = _FLOAT32  # the itemsize added
     fused: bool = False
     bucket_mb: float | None = None
+    hosts: int | None = None  # hierarchical with its grouping in the name (`hierarchical:2x4`): H
 
 
 def formula(name: str) -> Formula | None:
     """`ring+bfloat16-wire`, `tree+fused`, `hierarchical:tree`, … → its Formula; None if jdp has none
     (e.g. powersgd, or a plugin's strategy), so a caller can skip it."""
     base, *wrappers = name.split("+")
-    hierarchical = base == "hierarchical" or base.startswith("hierarchical:")
-    if hierarchical:
-        outer = base.partition(":")[2] or "ring"
-        algorithm = _FLAT.get(outer)
+    hosts = None
+    if hierarchical := HIERARCHICAL_NAME.fullmatch(base):
+        algorithm = _FLAT[hierarchical["outer"] or "ring"]
+        hosts = None if hierarchical["hosts"] is None else int(hierarchical["hosts"])
     else:
         algorithm = _FLAT.get(base)
     if algorithm is None:
@@ -148,7 +151,7 @@ def formula(name: str) -> Formula | None:
             wire = reduce = _SMALL_DTYPES[wrapper]
         else:
             return None
-    return Formula(algorithm, hierarchical, wire, reduce, fused, bucket_mb)
+    return Formula(algorithm, hierarchical is not None, wire, reduce, fused, bucket_mb, hosts)
 
 
 def buffers(f: Formula, leaf_bytes: Sequence[float]) -> list[float]:
@@ -269,13 +272,14 @@ def features(row: dict, shared: bool = False) -> tuple[float, float, float] | No
     """(m, b, r) of a `jdp bench allreduce` row, all levels on the one link measured; None if no formula.
 
     With `shared`, b is the bytes all devices send (see `Link`). A hierarchical row needs `hosts`
-    (H) to split its k devices into H × k/H.
+    (H), or a name with its grouping (`hierarchical:2x4`), to split its k devices into H × k/H.
     """
     name, k = row["algorithm"], row["devices"]
     f = formula(name)
-    if f is None or (f.hierarchical and "hosts" not in row):
+    hosts = None if f is None else f.hosts or row.get("hosts")
+    if f is None or (f.hierarchical and hosts is None):
         return None
-    per_node = k // row["hosts"] if f.hierarchical else None
+    per_node = k // hosts if f.hierarchical else None
     levels = terms(name, k, row["size_bytes"], per_node)
     total = levels["intra"] + levels["inter"]
     if shared:  # the same cores copy and add: the additions' time is inside β
@@ -329,8 +333,8 @@ def fit_all(rows: Sequence[dict], held_out: int | None = None, shared: bool = Fa
       errors}}, "median_relative_error", "worst_relative_error"}}.
     """
     by_name: dict[str, list[dict]] = {}
-    for r in rows:
-        by_name.setdefault(r["algorithm"], []).append(r)
+    for r in rows:  # one fit for a hierarchical algorithm over its groupings (`hierarchical:2x2`, `:2x4`, ...)
+        by_name.setdefault(re.sub(r":\d+x\d+", "", r["algorithm"]), []).append(r)
     fits, held = {}, {}
     for name, mine in by_name.items():
         if features(mine[0]) is None:
