@@ -213,18 +213,19 @@ def _seconds_per_call(run: Callable[[jax.Array], jax.Array], x: jax.Array, iters
 
 def format_allreduce_table(rows: Sequence[dict], header: str) -> str:
     """nccl-tests' columns, one row per (size, algorithm), a blank line between sizes."""
+    w = max([12, *(len(r["algorithm"]) for r in rows)])  # `hierarchical:tree:2x4+bfloat16-wire` is long
     lines = [
         f"# {header}",
-        f"#{'size':>11} {'count':>10}  {'type':<6} {'algorithm':<12} "
+        f"#{'size':>11} {'count':>10}  {'type':<6} {'algorithm':<{w}} "
         f"{'time':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>7}",
-        f"#{'(B)':>11} {'(elements)':>10}  {'':<6} {'':<12} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8}",
+        f"#{'(B)':>11} {'(elements)':>10}  {'':<6} {'':<{w}} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8}",
     ]
     previous = None
     for r in rows:
         if previous is not None and r["size_bytes"] != previous:
             lines.append("")
         previous = r["size_bytes"]
-        lines.append(f" {r['size_bytes']:>11} {r['count']:>10}  {'float':<6} {r['algorithm']:<12} "
+        lines.append(f" {r['size_bytes']:>11} {r['count']:>10}  {'float':<6} {r['algorithm']:<{w}} "
                      f"{r['time_us']:>10.1f} {r['algbw_gbps']:>8.3f} {r['busbw_gbps']:>8.3f} {r['wrong']:>7}")
     return "\n".join(lines)
 
