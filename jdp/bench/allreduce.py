@@ -216,8 +216,8 @@ def format_allreduce_table(rows: Sequence[dict], header: str) -> str:
     w = max([12, *(len(r["algorithm"]) for r in rows)])  # `hierarchical:tree:2x4+bfloat16-wire` is long
     lines = [
         f"# {header}",
-        f"#{'size':>11} {'count':>10}  {'type':<6} {'algorithm':<{w}} "
-        f"{'time':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>7}",
+        (f"#{'size':>11} {'count':>10}  {'type':<6} {'algorithm':<{w}} "
+         f"{'time':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>7}"),
         f"#{'(B)':>11} {'(elements)':>10}  {'':<6} {'':<{w}} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8}",
     ]
     previous = None
