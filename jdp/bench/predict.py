@@ -74,7 +74,7 @@ def allreduce_seconds(strategy: str, k: int, leaf_bytes: Sequence[float], networ
     """One allreduce of the gradient (float32 leaves of `leaf_bytes`) on k devices; None if no formula.
 
     `network` is a `Cluster`, or a `--fit` record (every level on the link fitted for the strategy's
-    algorithm; hierarchical falls back to the ring's fit).
+    algorithm; hierarchical falls back to the ring's fit where the sweep did not time it).
     """
     f = cost.formula(strategy)
     if f is None:
