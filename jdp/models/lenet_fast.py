@@ -22,6 +22,10 @@ the figures are in docs/performance.md):
   `reduce_window`.
 * Flattening for the dense layer: NHWC flattens in (h, w, c) order, the reference in (c, h, w);
   W3's rows are permuted to match instead of transposing the activations.
+
+`in_chunks(apply, n)` runs a batch as n independent chunks in one step: the same math, summed in
+another order, and independent work XLA's CPU runtime may run on several cores at once. Where it
+pays depends on the machine (`--formulation auto`, `jdp.training.formulation`).
 """
 
 from collections.abc import Callable
@@ -180,5 +184,21 @@ def make_apply(layer1: Layer = one_channel_conv_relu_pool, conv2: Conv = _conv,
 apply = make_apply()
 
 
-# `--model-impl` name -> apply function; both take the same params and images.
-IMPLEMENTATIONS = {"reference": lenet.apply, "fast": apply}
+def in_chunks(apply: Callable[[Params, jax.Array], jax.Array], chunks: int) -> Callable[[Params, jax.Array], jax.Array]:
+    """`apply` run on the batch cut into `chunks` parts (near-equal; fewer if the batch is smaller), logits joined.
+
+    Each part's forward and backward pass depends on no other part's, so XLA's CPU runtime may run
+    them concurrently; the gradient is the sum of the parts' gradients (float32 sums in another order).
+    """
+
+    def chunked(params: Params, images: jax.Array) -> jax.Array:
+        parts = jnp.array_split(images, min(chunks, images.shape[0]) or 1)
+        return jnp.concatenate([apply(params, part) for part in parts])
+
+    return chunked
+
+
+# The formulations jdp trains (`--formulation`, TrainConfig's `formulation`) -> apply function; all take
+# the same params and images and compute the same logits up to float32 rounding.
+FORMULATIONS = {"reference": lenet.apply, "fast": apply, "split-2": in_chunks(apply, 2),
+                "split-4": in_chunks(apply, 4)}
