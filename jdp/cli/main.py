@@ -229,8 +229,7 @@ def run_train(args: argparse.Namespace) -> int:
         print(format_report(stragglers), flush=True)
     test_acc = [r.test_acc for r in history]
     sec_per_epoch = sum(r.seconds for r in history) / len(history)
-    print(f"test acc: {test_acc[-1]:.2f}, {sec_per_epoch:.1f} sec/epoch on [{', '.join(describe(devices))}], "
-          f"formulation {choice.formulation}" + (" (auto)" if choice.requested == formulation.AUTO else ""))
+    print(f"test acc: {test_acc[-1]:.2f}, {sec_per_epoch:.1f} sec/epoch on [{', '.join(describe(devices))}]")
     if profiler is not None and profiler.breakdown is not None:
         size = profiler.trace.stat().st_size / 2**20
         print(f"profile of steps {first}-{last}: {profiler.breakdown.line()}\n"

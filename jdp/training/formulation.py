@@ -26,8 +26,6 @@ from jdp.runtime.machine_kind import Kind, best_match, this_kind
 if TYPE_CHECKING:
     import jax
 
-    from jdp.training.config import TrainConfig
-
 AUTO, DEFAULT = "auto", "fast"
 CACHE_ENV, CACHE_FILE = "JDP_CACHE_DIR", "formulations.json"
 
@@ -138,12 +136,12 @@ def resolve(requested: str, kind: Kind, devices: int, cache: Sequence[Entry] = (
     return Choice(DEFAULT, AUTO, f"default: no measurement for {devices} device(s) of this machine kind")
 
 
-def settle(config: "TrainConfig", devices: Sequence["jax.Device"], checkpoint_dir: str | os.PathLike | None = None,
-           resume: bool = False) -> tuple["TrainConfig", Choice]:
+def settle(config: Any, devices: Sequence["jax.Device"], checkpoint_dir: str | os.PathLike | None = None,
+           resume: bool = False) -> tuple[Any, Choice]:
     """`config` with `formulation="auto"` replaced by what this run uses, and that choice.
 
     Args:
-      config: the run's settings.
+      config: the run's settings, a `jdp.training.config.TrainConfig` (which imports this module).
       devices: the devices it trains on (their count and kind pick the table's entry).
       checkpoint_dir, resume: as `jdp.train`'s. A run resuming a checkpoint takes the formulation
         recorded with it, whatever the table or this machine says now.
