@@ -71,6 +71,21 @@ def test_matmul_gradients_of_the_custom_vjp_are_the_convolutions(weight, inputs)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_conv2s_gradients_below_float32_are_the_convolutions_transposes(dtype):
+    """bfloat16 takes the forward-convolution branch; compared with float32 transposes of the same rounded values."""
+    x = jax.random.normal(jax.random.key(3), (2, 7, 6, 3)).astype(dtype)
+    w = jax.random.normal(jax.random.key(4), (3, 3, 3, 5)).astype(dtype)
+    conv = lenet_fast.conv_low_precision_forward_gradients
+    low = lambda x, w: jnp.sum(jnp.sin(conv(x, w).astype(jnp.float32)))
+    plain = lambda x, w: jnp.sum(jnp.sin(lenet_fast._conv(x.astype(jnp.float32), w.astype(jnp.float32))))
+    tolerance = 3e-2 if dtype == jnp.bfloat16 else 1e-5
+    for got, want in zip(jax.grad(low, (0, 1))(x, w), jax.grad(plain, (0, 1))(x, w)):
+        assert got.dtype == dtype
+        scale = float(jnp.abs(want).max())
+        np.testing.assert_allclose(got.astype(jnp.float32), want, rtol=0, atol=tolerance * scale)
+
+
 def test_fused_first_layer_equals_conv_bias_relu_pool_with_all_gradients():
     """Odd conv output (8×7 → pooled 4×3, last column dropped as the floor pooling does), nonzero bias."""
     x = jax.random.normal(jax.random.key(3), (3, 10, 9, 1))

@@ -18,6 +18,8 @@ alternatives kept here so their cost can be re-measured on new hardware or a new
 * conv2 in NCHW/OIHW (the lesson's layout) inside the fast formulation;
 * the batch split into independent chunks inside one step (`split-2`, `split-4`: independent work for
   XLA's CPU thread pool, without devices);
+* conv2's gradients as XLA's transposes in bfloat16 too (XLA's CPU compiler runs one of them in
+  float32 there; `fast` writes them as forward convolutions below float32);
 * bfloat16: the whole model cast (`--precision bf16`), or only the conv and matmul operands with
   float32 accumulation and float32 elementwise work.
 """
@@ -73,6 +75,7 @@ def _reshape_mean_pool(x: jax.Array) -> jax.Array:
 
 
 _conv_matmul_dw = conv_with_matmul_gradients(weight=True, inputs=False)
+_conv_xla_gradients = conv_with_matmul_gradients(weight=False, inputs=False)  # neither: both are XLA's transposes
 
 
 def _conv_nchw(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
@@ -119,7 +122,11 @@ FORMULATIONS: dict[str, tuple[str, Apply]] = {
     "conv2-nchw": ("fast, conv2 in the lesson's NCHW/OIHW layout", make_apply(conv2=_conv_nchw)),
     "split-2": ("fast, the batch as 2 independent chunks in one step", lenet_fast.FORMULATIONS["split-2"]),
     "split-4": ("fast, the batch as 4 independent chunks in one step", lenet_fast.FORMULATIONS["split-4"]),
+    "conv2-xla-grads": ("fast, conv2's gradients as XLA's transposes in every precision (fast until 2026-12-04)",
+                        make_apply(conv2=_conv_xla_gradients)),
     "bf16": ("fast, cast to bfloat16 whole (`--precision bf16`)", _bf16(lenet_fast.apply)),
+    "bf16-conv2-xla-grads": ("bf16 with conv2's gradients as XLA's transposes: XLA runs one in float32 (`bf16` "
+                             "until 2026-12-04)", _bf16(make_apply(conv2=_conv_xla_gradients))),
     "bf16-operands": ("fast, bfloat16 conv/matmul operands only, float32 accumulation and elementwise",
                       make_apply(layer1=conv_relu_pool(_conv_bf16_operands), conv2=_conv_bf16_operands,
                                  matmul=_matmul_bf16_operands)),

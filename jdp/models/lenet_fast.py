@@ -18,6 +18,8 @@ the figures are in docs/performance.md):
   separate, slower ops. The backward gets conv1's weight and bias gradients from one matmul. The layer's
   output is stored behind an optimisation barrier: otherwise XLA also fuses the loop into the
   transpose that conv2's weight gradient reads, and runs it a second time there.
+* conv2's gradients below float32 (`--precision bf16`) as forward convolutions
+  (`conv_low_precision_forward_gradients`): XLA's CPU compiler ran one of its transposes in float32.
 * Pooling as a sum of four strided slices, which XLA fuses with the ReLU, instead of
   `reduce_window`.
 * Flattening for the dense layer: NHWC flattens in (h, w, c) order, the reference in (c, h, w);
@@ -80,6 +82,39 @@ def conv_with_matmul_gradients(weight: bool, inputs: bool) -> Callable[[jax.Arra
 
     conv.defvjp(conv_fwd, conv_bwd)
     return conv
+
+
+@jax.custom_vjp
+def conv_low_precision_forward_gradients(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
+    """A VALID NHWC/HWIO convolution whose gradients, below float32, are forward convolutions too.
+
+    In float32 the gradients are XLA's own (the transposes of the convolution). In bfloat16, XLA's
+    CPU compiler ran one of conv2's two backward convolutions in float32 (converting dy and the
+    kernel up), the costliest op of the bf16 step; written as forward convolutions (the input
+    gradient over dy padded by kh−1, kw−1 with the kernel flipped, the weight gradient with batch
+    and channels swapped) both run in bfloat16, the weight gradient accumulated in float32.
+    """
+    return _conv(x, w_hwio)
+
+
+def _forward_gradients_fwd(x, w_hwio):
+    return _conv(x, w_hwio), (x, w_hwio)
+
+
+def _forward_gradients_bwd(residuals, dy):
+    x, w_hwio = residuals
+    if dy.dtype == jnp.float32:
+        return jax.vjp(_conv, x, w_hwio)[1](dy)
+    kh, kw = w_hwio.shape[:2]
+    padded = jnp.pad(dy, ((0, 0), (kh - 1, kh - 1), (kw - 1, kw - 1), (0, 0)))
+    dx = _conv(padded, jnp.flip(w_hwio, (0, 1)).transpose(0, 1, 3, 2))
+    # dw[i, j, c, o] = Σ_n,h,w x[n, h+i, w+j, c] dy[n, h, w, o]: a convolution of x as (C, H, W, N) by dy as (H, W, N, O)
+    dw = jax.lax.conv_general_dilated(x.transpose(3, 1, 2, 0), dy.transpose(1, 2, 0, 3), (1, 1), "VALID",
+                                      dimension_numbers=DIMS, preferred_element_type=jnp.float32)
+    return dx, dw.transpose(1, 2, 0, 3).astype(w_hwio.dtype)
+
+
+conv_low_precision_forward_gradients.defvjp(_forward_gradients_fwd, _forward_gradients_bwd)
 
 
 def avg_pool(x: jax.Array) -> jax.Array:
@@ -155,7 +190,7 @@ def _one_channel_bwd(residuals, dy):
 one_channel_conv_relu_pool.defvjp(_one_channel_fwd, _one_channel_bwd)
 
 
-def make_apply(layer1: Layer = one_channel_conv_relu_pool, conv2: Conv = _conv,
+def make_apply(layer1: Layer = one_channel_conv_relu_pool, conv2: Conv = conv_low_precision_forward_gradients,
                bias: Callable[..., jax.Array] = add_bias, pool: Callable[[jax.Array], jax.Array] = avg_pool,
                matmul: Conv = jnp.matmul, barrier: bool = True) -> Callable[[Params, jax.Array], jax.Array]:
     """`apply` built from its pieces: the first conv layer, conv2, the bias add, pooling and the dense matmul.
