@@ -125,8 +125,8 @@ FORMULATIONS: dict[str, tuple[str, Apply]] = {
     "conv2-xla-grads": ("fast, conv2's gradients as XLA's transposes in every precision (fast until 2026-12-04)",
                         make_apply(conv2=_conv_xla_gradients)),
     "bf16": ("fast, cast to bfloat16 whole (`--precision bf16`)", _bf16(lenet_fast.apply)),
-    "bf16-conv2-xla-grads": ("bf16 with conv2's gradients as XLA's transposes: XLA runs one in float32 (`bf16` "
-                             "until 2026-12-04)", _bf16(make_apply(conv2=_conv_xla_gradients))),
+    "bf16-conv2-xla-grads": ("bf16, conv2's gradients as XLA's transposes: one runs in float32 (bf16 until 2026-12-04)",
+                             _bf16(make_apply(conv2=_conv_xla_gradients))),
     "bf16-operands": ("fast, bfloat16 conv/matmul operands only, float32 accumulation and elementwise",
                       make_apply(layer1=conv_relu_pool(_conv_bf16_operands), conv2=_conv_bf16_operands,
                                  matmul=_matmul_bf16_operands)),
