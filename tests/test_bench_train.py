@@ -129,12 +129,12 @@ def test_table_shows_each_precision_and_the_ratios():
         return {"precision": name, "devices": k, "epoch_s": [1.0], "floor_s": [1.0], "overhead": 1.0,
                 "overhead_cpu": 1.0, "images_per_s": images_per_s, "floor_images_per_s": images_per_s,
                 "sec_per_epoch": 60000 / images_per_s, "achieved_flops": 1e9, "fraction_of_peak": 0.5,
-                "vs_1_device": 1.0, "vs_baseline": vs_base, "vs_lesson": images_per_s / 500.0}
+                "vs_1_device": 1.0, "vs_baseline": vs_base, "vs_lesson": images_per_s / 500.0, "formulation": "split-2"}
 
     record = {"results": [result("float32", 1, 1000.0, 1.0), result("bf16", 1, 2000.0, 2.0)],
               "matmul_peak_flops": {"float32": 1e11, "bf16": 2e11}, "flops_per_image": 13.5e6,
               "baseline": BASE._asdict(), "targets": {}}
     lines = bench_train.format_table(record, "header").splitlines()
-    assert lines[2].split()[:2] == ["float32", "1"] and lines[2].split()[-2:] == ["1.00x", "2.00x"]
-    assert lines[3].split()[:2] == ["bf16", "1"] and lines[3].split()[-2:] == ["2.00x", "4.00x"]
+    assert lines[2].split()[:2] == ["float32", "1"] and lines[2].split()[-3:] == ["1.00x", "2.00x", "split-2"]
+    assert lines[3].split()[:2] == ["bf16", "1"] and lines[3].split()[-3:] == ["2.00x", "4.00x", "split-2"]
     assert "float32 100.0, bf16 200.0" in lines[4] and "test box" in lines[5] and "(500 img/s)" in lines[5]

@@ -235,7 +235,7 @@ def format_table(record: dict[str, Any], header: str) -> str:
     """The results as a fixed-width text table, the targets below it."""
     columns = (f"{'precision':>9} {'devices':>7} {'epoch s':>8} {'floor s':>8} {'overhead':>8} {'(cpu)':>6} {'img/s':>7} "
                f"{'floor img/s':>11} {'s/epoch':>8} {'GFLOP/s':>8} {'of peak':>7} {'vs 1 dev':>8} {'vs base':>7} "
-               f"{'vs lesson':>9}")
+               f"{'vs lesson':>9} formulation")
     lines = [header, columns]
 
     def ratio(value: float | None) -> str:
@@ -247,7 +247,7 @@ def format_table(record: dict[str, Any], header: str) -> str:
             f"{r['overhead']:>8.3f} {r['overhead_cpu']:>6.3f} "
             f"{r['images_per_s']:>7.0f} {r['floor_images_per_s']:>11.0f} {r['sec_per_epoch']:>8.2f} "
             f"{r['achieved_flops'] / 1e9:>8.1f} {r['fraction_of_peak']:>7.1%} {r['vs_1_device']:>8.2f} "
-            f"{ratio(r['vs_baseline']):>7} {ratio(r['vs_lesson']):>9}"
+            f"{ratio(r['vs_baseline']):>7} {ratio(r['vs_lesson']):>9} {r['formulation']}"
         )
     peaks = ", ".join(f"{name} {flops / 1e9:.1f}" for name, flops in record["matmul_peak_flops"].items())
     lines.append(f"matmul peak (GFLOP/s): {peaks}; model {record['flops_per_image'] / 1e6:.2f} MFLOP/image (fwd+bwd); "
