@@ -18,8 +18,8 @@ alternatives kept here so their cost can be re-measured on new hardware or a new
 * conv2 in NCHW/OIHW (the lesson's layout) inside the fast formulation;
 * the batch split into independent chunks inside one step (`split-2`, `split-4`: independent work for
   XLA's CPU thread pool, without devices);
-* conv2's gradients as XLA's transposes in bfloat16 too (XLA's CPU compiler runs one of them in
-  float32 there; `fast` writes them as forward convolutions below float32);
+* conv2's gradients in bfloat16 as forward convolutions (XLA's CPU compiler runs one of its own
+  transposes in float32 there);
 * bfloat16: the whole model cast (`--precision bf16`), or only the conv and matmul operands with
   float32 accumulation and float32 elementwise work.
 """
@@ -42,7 +42,13 @@ from jdp.flags import add_device_flags, check_out_dir, setup_devices
 from jdp.models import get as get_model
 from jdp.models import lenet, lenet_fast, precision, summed_cross_entropy
 from jdp.models.lenet import Params
-from jdp.models.lenet_fast import conv_relu_pool, conv_with_matmul_gradients, make_apply, patches
+from jdp.models.lenet_fast import (
+    conv_low_precision_forward_gradients,
+    conv_relu_pool,
+    conv_with_matmul_gradients,
+    make_apply,
+    patches,
+)
 from jdp.parallel.inflight import repeat_step
 from jdp.parallel.layout import replicate, split_batch
 from jdp.parallel.step import make_train_step
@@ -75,7 +81,6 @@ def _reshape_mean_pool(x: jax.Array) -> jax.Array:
 
 
 _conv_matmul_dw = conv_with_matmul_gradients(weight=True, inputs=False)
-_conv_xla_gradients = conv_with_matmul_gradients(weight=False, inputs=False)  # neither: both are XLA's transposes
 
 
 def _conv_nchw(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
@@ -122,11 +127,9 @@ FORMULATIONS: dict[str, tuple[str, Apply]] = {
     "conv2-nchw": ("fast, conv2 in the lesson's NCHW/OIHW layout", make_apply(conv2=_conv_nchw)),
     "split-2": ("fast, the batch as 2 independent chunks in one step", lenet_fast.FORMULATIONS["split-2"]),
     "split-4": ("fast, the batch as 4 independent chunks in one step", lenet_fast.FORMULATIONS["split-4"]),
-    "conv2-xla-grads": ("fast, conv2's gradients as XLA's transposes in every precision (fast until 2026-12-04)",
-                        make_apply(conv2=_conv_xla_gradients)),
     "bf16": ("fast, cast to bfloat16 whole (`--precision bf16`)", _bf16(lenet_fast.apply)),
-    "bf16-conv2-xla-grads": ("bf16, conv2's gradients as XLA's transposes: one runs in float32 (bf16 until 2026-12-04)",
-                             _bf16(make_apply(conv2=_conv_xla_gradients))),
+    "bf16-conv2-forward-grads": ("bf16, conv2's gradients as forward convolutions, all in bfloat16 (not XLA's)",
+                                 _bf16(make_apply(conv2=conv_low_precision_forward_gradients))),
     "bf16-operands": ("fast, bfloat16 conv/matmul operands only, float32 accumulation and elementwise",
                       make_apply(layer1=conv_relu_pool(_conv_bf16_operands), conv2=_conv_bf16_operands,
                                  matmul=_matmul_bf16_operands)),

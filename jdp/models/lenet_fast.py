@@ -18,8 +18,6 @@ the figures are in docs/performance.md):
   separate, slower ops. The backward gets conv1's weight and bias gradients from one matmul. The layer's
   output is stored behind an optimisation barrier: otherwise XLA also fuses the loop into the
   transpose that conv2's weight gradient reads, and runs it a second time there.
-* conv2's gradients below float32 (`--precision bf16`) as forward convolutions
-  (`conv_low_precision_forward_gradients`): XLA's CPU compiler ran one of its transposes in float32.
 * Pooling as a sum of four strided slices, which XLA fuses with the ReLU, instead of
   `reduce_window`.
 * Flattening for the dense layer: NHWC flattens in (h, w, c) order, the reference in (c, h, w);
@@ -89,10 +87,11 @@ def conv_low_precision_forward_gradients(x: jax.Array, w_hwio: jax.Array) -> jax
     """A VALID NHWC/HWIO convolution whose gradients, below float32, are forward convolutions too.
 
     In float32 the gradients are XLA's own (the transposes of the convolution). In bfloat16, XLA's
-    CPU compiler ran one of conv2's two backward convolutions in float32 (converting dy and the
-    kernel up), the costliest op of the bf16 step; written as forward convolutions (the input
-    gradient over dy padded by kh−1, kw−1 with the kernel flipped, the weight gradient with batch
-    and channels swapped) both run in bfloat16, the weight gradient accumulated in float32.
+    CPU compiler runs one of conv2's two backward convolutions in float32 (converting dy and the
+    kernel up); written as forward convolutions (the input gradient over dy padded by kh−1, kw−1
+    with the kernel flipped, the weight gradient with batch and channels swapped) both run in
+    bfloat16, the weight gradient accumulated in float32. Not jdp's default: on the AVX-512 BF16 VM
+    the whole bf16 step measured no faster (`jdp bench formulations`'s bf16-conv2-forward-grads).
     """
     return _conv(x, w_hwio)
 
@@ -190,7 +189,7 @@ def _one_channel_bwd(residuals, dy):
 one_channel_conv_relu_pool.defvjp(_one_channel_fwd, _one_channel_bwd)
 
 
-def make_apply(layer1: Layer = one_channel_conv_relu_pool, conv2: Conv = conv_low_precision_forward_gradients,
+def make_apply(layer1: Layer = one_channel_conv_relu_pool, conv2: Conv = _conv,
                bias: Callable[..., jax.Array] = add_bias, pool: Callable[[jax.Array], jax.Array] = avg_pool,
                matmul: Conv = jnp.matmul, barrier: bool = True) -> Callable[[Params, jax.Array], jax.Array]:
     """`apply` built from its pieces: the first conv layer, conv2, the bias add, pooling and the dense matmul.

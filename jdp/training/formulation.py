@@ -49,12 +49,17 @@ class Entry(NamedTuple):
 
 
 _AMD_AVX2 = Kind("AMD EPYC", "avx2", 2, "cpu")
+_AMD_AVX512_BF16 = Kind("AMD EPYC", "avx512_bf16", 2, "cpu")
 _INTEL_AMX = Kind(None, "amx_bf16", 2, "cpu")  # its CPU model string was not recorded
 
 # The kinds measured so far. An entry naming `fast` records that nothing measured beat it there.
 COMMITTED: tuple[Entry, ...] = (
     Entry(_AMD_AVX2, 1, "fast", "experiments/results/formulations/avx2 (2026-12-03): split-2 1.04x, split-4 "
           "1.07x fast in one 7-round run, within that VM's run-to-run noise"),
+    Entry(_AMD_AVX512_BF16, 1, "fast", "experiments/results/formulations/avx512-bf16 (2026-12-04, JAX 0.12.0.1): "
+          "--write-table, median of 5 rounds: split-2 0.98x, split-4 1.03x fast"),
+    Entry(_AMD_AVX512_BF16, 2, "fast", "experiments/results/formulations/avx512-bf16 (2026-12-04, JAX 0.12.0.1): "
+          "--write-table, median of 5 rounds: split-2 0.95x, split-4 0.94x fast"),
     Entry(_INTEL_AMX, 1, "split-4", "issue 26 (its author's run, JAX 0.12.0.1): jdp bench formulations "
           "--cpu-devices 1 --rounds 3, fast 28.0, split-2 22.3 (1.26x), split-4 21.7 ms/step (1.29x)"),
 )
