@@ -35,7 +35,7 @@ def test_quick_bench_end_to_end(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("jdp bench train: LeNet (fast), global batch 256")
+    assert lines[0].startswith("jdp bench train: LeNet (auto; devices 1: fast), global batch 256")
     assert lines[2].split()[:2] == ["float32", "1"] and lines[3].split()[:2] == ["bf16", "1"]
     assert lines[4].startswith("matmul peak (GFLOP/s): float32 ") and ", bf16 " in lines[4]
     record = json.loads((tmp_path / "bench_train.json").read_text())
@@ -69,14 +69,32 @@ class FakeDevice:
 def test_baseline_is_found_by_machine_kind_and_settings(monkeypatch):
     monkeypatch.setattr(baselines, "BASELINES", (BASE,))
     here = {"cpu": "Test CPU", "vector_isa": "avx2", "host_cpus": 2}
-    assert baselines.find(here, FakeDevice(), batch_size=256, model_impl="fast") == BASE
+    assert baselines.find(here, FakeDevice(), batch_size=256, formulation="fast") == BASE
     other_isa = {**here, "vector_isa": "avx512_bf16"}  # the same CPU model, other kernels
-    assert baselines.find(other_isa, FakeDevice(), batch_size=256, model_impl="fast") is None
-    assert baselines.find({**here, "host_cpus": 4}, FakeDevice(), batch_size=256, model_impl="fast") is None
-    assert baselines.find(here, FakeDevice(), batch_size=128, model_impl="fast") is None
-    assert baselines.find(here, FakeDevice(), batch_size=256, model_impl="reference") is None
+    assert baselines.find(other_isa, FakeDevice(), batch_size=256, formulation="fast") is None
+    assert baselines.find({**here, "host_cpus": 4}, FakeDevice(), batch_size=256, formulation="fast") is None
+    assert baselines.find(here, FakeDevice(), batch_size=128, formulation="fast") is None
+    assert baselines.find(here, FakeDevice(), batch_size=256, formulation="reference") is None
+    assert baselines.find(here, FakeDevice(), batch_size=256, formulation="split-4") == BASE  # jdp's step, rewritten
     assert baselines.ratio(BASE, 2, 3000.0) == 2.0 and baselines.ratio(BASE, 8, 3000.0) is None
     assert baselines.ratio(None, 1, 3000.0) is None
+
+
+def test_a_kind_known_by_isa_and_cores_alone_has_a_baseline(monkeypatch):
+    """Issue 26's Intel AMX kind: its CPU model string is unknown, so any model with that ISA and core count."""
+    amx = BASE._replace(cpu=None, vector_isa="amx_bf16")
+    named = BASE._replace(cpu="Intel Xeon 1", vector_isa="amx_bf16", machine="named")
+    monkeypatch.setattr(baselines, "BASELINES", (amx, named))
+    xeon = {"cpu": "Intel Xeon 2", "vector_isa": "amx_bf16", "host_cpus": 2}
+    assert baselines.find(xeon, FakeDevice(), batch_size=256, formulation="auto") == amx
+    assert baselines.find({**xeon, "cpu": "Intel Xeon 1"}, FakeDevice(), batch_size=256, formulation="auto") == named
+    assert baselines.find({**xeon, "host_cpus": 4}, FakeDevice(), batch_size=256, formulation="auto") is None
+
+
+def test_the_intel_amx_kind_has_issue_26s_baseline():
+    found = baselines.find({"cpu": "Intel(R) Xeon(R)", "vector_isa": "amx_bf16", "host_cpus": 2}, FakeDevice(),
+                           batch_size=256, formulation="auto")
+    assert found.float32_images_per_s == {1: 9558.0, 2: 12311.0} and found.lesson_images_per_s == 6548.0
 
 
 def test_vector_isa_names_the_widest_instructions_the_cpu_reports():
@@ -111,12 +129,12 @@ def test_table_shows_each_precision_and_the_ratios():
         return {"precision": name, "devices": k, "epoch_s": [1.0], "floor_s": [1.0], "overhead": 1.0,
                 "overhead_cpu": 1.0, "images_per_s": images_per_s, "floor_images_per_s": images_per_s,
                 "sec_per_epoch": 60000 / images_per_s, "achieved_flops": 1e9, "fraction_of_peak": 0.5,
-                "vs_1_device": 1.0, "vs_baseline": vs_base, "vs_lesson": images_per_s / 500.0}
+                "vs_1_device": 1.0, "vs_baseline": vs_base, "vs_lesson": images_per_s / 500.0, "formulation": "split-2"}
 
     record = {"results": [result("float32", 1, 1000.0, 1.0), result("bf16", 1, 2000.0, 2.0)],
               "matmul_peak_flops": {"float32": 1e11, "bf16": 2e11}, "flops_per_image": 13.5e6,
               "baseline": BASE._asdict(), "targets": {}}
     lines = bench_train.format_table(record, "header").splitlines()
-    assert lines[2].split()[:2] == ["float32", "1"] and lines[2].split()[-2:] == ["1.00x", "2.00x"]
-    assert lines[3].split()[:2] == ["bf16", "1"] and lines[3].split()[-2:] == ["2.00x", "4.00x"]
+    assert lines[2].split()[:2] == ["float32", "1"] and lines[2].split()[-3:] == ["1.00x", "2.00x", "split-2"]
+    assert lines[3].split()[:2] == ["bf16", "1"] and lines[3].split()[-3:] == ["2.00x", "4.00x", "split-2"]
     assert "float32 100.0, bf16 200.0" in lines[4] and "test box" in lines[5] and "(500 img/s)" in lines[5]

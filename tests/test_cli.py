@@ -32,6 +32,8 @@ def test_train_synthetic_end_to_end(tmp_path):
     history = json.loads((tmp_path / "out" / "history.json").read_text())
     assert history["devices"] == ["CpuDevice(id=0)", "CpuDevice(id=1)"]
     assert history["config"]["allreduce"] == "manual" and history["config"]["batch_size"] == 64
+    assert history["config"]["formulation"] == "fast"  # `auto`, pinned to fast for tests (tests/conftest.py)
+    assert history["formulation"]["requested"] == "auto"
     assert [e["epoch"] for e in history["epochs"]] == [1, 2]
     assert set(history["epochs"][0]) == {"epoch", "train_loss", "test_acc", "seconds", "syncs", "bytes_sent"}
     assert isinstance(history["jax_version"], str)
@@ -89,4 +91,6 @@ def test_train_flags_are_the_fields_of_train_config():
 
     train = cli.build_parser().parse_args(["train"])
     assert {f.name for f in dataclasses.fields(TrainConfig)} <= set(vars(train))
-    assert TrainConfig(**{f.name: getattr(train, f.name) for f in dataclasses.fields(TrainConfig)}) == TrainConfig()
+    # the same defaults, but the CLI's formulation is `auto` (this machine's fastest), the library's `fast`
+    assert TrainConfig(**{f.name: getattr(train, f.name) for f in dataclasses.fields(TrainConfig)}) == TrainConfig(
+        formulation="auto")

@@ -31,13 +31,34 @@ def test_logits_equal_the_reference(problem):
     assert_close({"logits": lenet_fast.apply(params, images)}, {"logits": want})
 
 
-def test_loss_and_gradients_equal_the_reference(problem):
+@pytest.fixture(scope="module")
+def reference(problem):
+    """The reference's loss and gradients on `problem`."""
+    return jax.value_and_grad(summed_cross_entropy(lenet.apply))(*problem)
+
+
+def test_loss_and_gradients_equal_the_reference(problem, reference):
     params, images, labels = problem
-    want_loss, want = jax.value_and_grad(summed_cross_entropy(lenet.apply))(params, images, labels)
+    want_loss, want = reference
     got_loss, got = jax.jit(jax.value_and_grad(summed_cross_entropy(lenet_fast.apply)))(params, images, labels)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     assert jax.tree.map(jnp.shape, got) == jax.tree.map(jnp.shape, want)  # gradients in the lesson's layout
     assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", ["split-2", pytest.param("split-4", marks=pytest.mark.slow)])
+def test_split_formulations_have_the_reference_loss_and_gradients(problem, reference, name):
+    want_loss, want = reference
+    got_loss, got = jax.jit(jax.value_and_grad(summed_cross_entropy(lenet_fast.FORMULATIONS[name])))(*problem)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    assert_close(got, want)
+
+
+def test_chunks_may_be_unequal_or_fewer_than_asked(problem):
+    params, images, _ = problem
+    split_2 = lenet_fast.FORMULATIONS["split-2"]
+    for n in (3, 1):  # chunks of 2+1 images; one image, one chunk
+        assert_close({"logits": jax.jit(split_2)(params, images[:n])}, {"logits": jax.jit(lenet_fast.apply)(params, images[:n])})
 
 
 @pytest.mark.parametrize(("weight", "inputs"), [(True, False), (False, True), (True, True)])
@@ -48,6 +69,21 @@ def test_matmul_gradients_of_the_custom_vjp_are_the_convolutions(weight, inputs)
     custom = lambda x, w: jnp.sum(jnp.sin(lenet_fast.conv_with_matmul_gradients(weight, inputs)(x, w)))
     for got, want in zip(jax.grad(custom, (0, 1))(x, w), jax.grad(plain, (0, 1))(x, w)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_conv2s_gradients_below_float32_are_the_convolutions_transposes(dtype):
+    """bfloat16 takes the forward-convolution branch; compared with float32 transposes of the same rounded values."""
+    x = jax.random.normal(jax.random.key(3), (2, 7, 6, 3)).astype(dtype)
+    w = jax.random.normal(jax.random.key(4), (3, 3, 3, 5)).astype(dtype)
+    conv = lenet_fast.conv_low_precision_forward_gradients
+    low = lambda x, w: jnp.sum(jnp.sin(conv(x, w).astype(jnp.float32)))
+    plain = lambda x, w: jnp.sum(jnp.sin(lenet_fast._conv(x.astype(jnp.float32), w.astype(jnp.float32))))
+    tolerance = 3e-2 if dtype == jnp.bfloat16 else 1e-5
+    for got, want in zip(jax.grad(low, (0, 1))(x, w), jax.grad(plain, (0, 1))(x, w)):
+        assert got.dtype == dtype
+        scale = float(jnp.abs(want).max())
+        np.testing.assert_allclose(got.astype(jnp.float32), want, rtol=0, atol=tolerance * scale)
 
 
 def test_fused_first_layer_equals_conv_bias_relu_pool_with_all_gradients():
@@ -81,5 +117,6 @@ def test_crop_keeps_exactly_the_pixels_the_reference_reads(problem, row, col, re
         assert changed == read, (apply.__module__, row, col)
 
 
-def test_implementations_are_named_for_the_cli():
-    assert lenet_fast.IMPLEMENTATIONS == {"reference": lenet.apply, "fast": lenet_fast.apply}
+def test_formulations_are_named_for_the_cli():
+    assert list(lenet_fast.FORMULATIONS) == ["reference", "fast", "split-2", "split-4"]
+    assert lenet_fast.FORMULATIONS["reference"] is lenet.apply and lenet_fast.FORMULATIONS["fast"] is lenet_fast.apply

@@ -1,9 +1,11 @@
-"""`jdp bench formulations`: ways to write the lesson's LeNet step, timed side by side on one device.
+"""`jdp bench formulations`: ways to write the lesson's LeNet step, timed side by side.
 
 Every formulation takes the lesson's params and NCHW images and computes the same logits (up to
-rounding; the table prints each one's largest gradient difference from the reference). Each is
-jitted as a full SGD step and timed in alternating rounds, fastest round kept, so the ratios of
-one run compare. `reference` and `fast` are the models jdp trains (`--model-impl`); the others are
+rounding; the table prints each one's largest gradient difference from the reference). Each runs
+as jdp's data-parallel SGD step on the devices asked for (one by default) and is timed in
+alternating rounds, fastest round kept, so the ratios of one run compare. `reference`, `fast`,
+`split-2` and `split-4` are the formulations jdp trains (`--formulation`); `--write-table` records
+the fastest of them for this machine kind in `--formulation auto`'s table. The others are
 alternatives kept here so their cost can be re-measured on new hardware or a new XLA:
 
 * conv1 as XLA's convolution (weight gradient as an im2col matmul) followed by separate bias,
@@ -14,19 +16,25 @@ alternatives kept here so their cost can be re-measured on new hardware or a new
   pixels, so more than half of its multiply-adds are with zeros;
 * the bias gradients as matmuls with a ones vector instead of XLA's reductions;
 * conv2 in NCHW/OIHW (the lesson's layout) inside the fast formulation;
-* the batch split into independent chunks inside one step (a thread split without devices);
+* the batch split into independent chunks inside one step (`split-2`, `split-4`: independent work for
+  XLA's CPU thread pool, without devices);
+* conv2's gradients in bfloat16 as forward convolutions (XLA's CPU compiler runs one of its own
+  transposes in float32 there);
 * bfloat16: the whole model cast (`--precision bf16`), or only the conv and matmul operands with
   float32 accumulation and float32 elementwise work.
 """
 
 import argparse
+import datetime
 import functools
 import json
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jdp.bench.machine import machine
 from jdp.errors import ConfigError, check_positive
@@ -34,7 +42,21 @@ from jdp.flags import add_device_flags, check_out_dir, setup_devices
 from jdp.models import get as get_model
 from jdp.models import lenet, lenet_fast, precision, summed_cross_entropy
 from jdp.models.lenet import Params
-from jdp.models.lenet_fast import conv_relu_pool, conv_with_matmul_gradients, make_apply, patches
+from jdp.models.lenet_fast import (
+    conv_low_precision_forward_gradients,
+    conv_relu_pool,
+    conv_with_matmul_gradients,
+    make_apply,
+    patches,
+)
+from jdp.parallel.inflight import repeat_step
+from jdp.parallel.layout import replicate, split_batch
+from jdp.parallel.step import make_train_step
+from jdp.runtime.machine_kind import this_kind
+from jdp.training import formulation as auto_table
+
+# `--write-table` adopts a formulation over `fast` only if its median speed-up is at least this
+MARGIN = 0.05
 
 Apply = Callable[[Params, jax.Array], jax.Array]
 
@@ -77,21 +99,14 @@ def _matmul_bf16_operands(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.matmul(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
 
 
-def _split(apply: Apply, chunks: int) -> Apply:
-    def chunked(params: Params, images: jax.Array) -> jax.Array:
-        return jnp.concatenate([apply(params, part) for part in jnp.split(images, chunks)])
-
-    return chunked
-
-
 def _bf16(apply: Apply) -> Apply:
     return precision.mixed(get_model("lenet")._replace(apply=apply), "bf16").apply
 
 
 # name -> (what it is, logits function)
 FORMULATIONS: dict[str, tuple[str, Apply]] = {
-    "reference": ("the lesson's NCHW formulation (`--model-impl reference`)", lenet.apply),
-    "fast": ("jdp's default (`--model-impl fast`): cropped, NHWC, conv1+bias+ReLU+pool fused, strided-sum pooling",
+    "reference": ("the lesson's NCHW formulation (`--formulation reference`)", lenet.apply),
+    "fast": ("jdp's default (`--formulation fast`): cropped, NHWC, conv1+bias+ReLU+pool fused, strided-sum pooling",
              lenet_fast.apply),
     "conv1-xla": ("fast, conv1 as XLA's convolution (weight gradient as a matmul), then bias, ReLU, pool",
                   make_apply(layer1=conv_relu_pool(_conv_matmul_dw))),
@@ -110,9 +125,11 @@ FORMULATIONS: dict[str, tuple[str, Apply]] = {
     "conv2-im2col": ("fast, conv2 forward and backward as im2col matmuls", make_apply(conv2=_conv_im2col)),
     "bias-grads-matmul": ("fast, bias gradients as ones-vector matmuls", make_apply(bias=_add_bias_by_matmul)),
     "conv2-nchw": ("fast, conv2 in the lesson's NCHW/OIHW layout", make_apply(conv2=_conv_nchw)),
-    "split-2": ("fast, the batch as 2 independent chunks in one step", _split(lenet_fast.apply, 2)),
-    "split-4": ("fast, the batch as 4 independent chunks in one step", _split(lenet_fast.apply, 4)),
+    "split-2": ("fast, the batch as 2 independent chunks in one step", lenet_fast.FORMULATIONS["split-2"]),
+    "split-4": ("fast, the batch as 4 independent chunks in one step", lenet_fast.FORMULATIONS["split-4"]),
     "bf16": ("fast, cast to bfloat16 whole (`--precision bf16`)", _bf16(lenet_fast.apply)),
+    "bf16-conv2-forward-grads": ("bf16, conv2's gradients as forward convolutions, all in bfloat16 (not XLA's)",
+                                 _bf16(make_apply(conv2=conv_low_precision_forward_gradients))),
     "bf16-operands": ("fast, bfloat16 conv/matmul operands only, float32 accumulation and elementwise",
                       make_apply(layer1=conv_relu_pool(_conv_bf16_operands), conv2=_conv_bf16_operands,
                                  matmul=_matmul_bf16_operands)),
@@ -124,8 +141,8 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     p = benchmarks.add_parser(
         "formulations", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="time ways to write the LeNet step (conv2 gradients, bias, layout, chunks, bf16) side by side",
-        description="Time the lesson's LeNet SGD step written in several ways on one device, in alternating "
-        "rounds, and print ms/step, images/s, the ratio to the reference and to jdp's fast formulation, "
+        description="Time the lesson's LeNet SGD step written in several ways, as jdp's data-parallel step on the "
+        "devices (one unless --cpu-devices/--devices say more), in alternating rounds, and print ms/step, images/s, the ratio to the reference and to jdp's fast formulation, "
         "and each one's largest gradient difference from the reference.",
     )
     add_device_flags(p)
@@ -134,6 +151,10 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (fastest kept)")
     p.add_argument("--only", default=None, metavar="A,B", help=f"formulations to time (default: all: {', '.join(FORMULATIONS)})")
     p.add_argument("--out", default=None, metavar="DIR", help="write formulations.json and formulations.md here")
+    p.add_argument("--write-table", action="store_true",
+                   help="time the formulations jdp trains (unless --only) and record the fastest for this machine kind "
+                   "and device count in the table `--formulation auto` reads ($JDP_CACHE_DIR or ~/.cache/jdp/"
+                   f"{auto_table.CACHE_FILE}); adopted over fast only at a median speed-up of {1 + MARGIN:.2f}x or more")
     p.set_defaults(run=run_formulations_bench)
 
 
@@ -153,68 +174,92 @@ def gradient_error(apply: Apply, batch: int = 32) -> float:
     return max(float(jnp.max(jnp.abs(got[k] - want[k])) / jnp.max(jnp.abs(want[k]))) for k in want)
 
 
-def time_formulations(names: list[str], device: jax.Device, *, batch_size: int, steps: int,
+def time_formulations(names: list[str], devices: Sequence[jax.Device], *, batch_size: int, steps: int,
                       rounds: int) -> dict[str, list[float]]:
-    """Seconds per step of each formulation's jitted SGD step on `device`, one list entry per round."""
-    images = jax.device_put(jax.random.uniform(jax.random.key(1), (batch_size, 1, 28, 28)), device)
-    labels = jax.device_put(jax.random.randint(jax.random.key(2), (batch_size,), 0, 10), device)
-    params = jax.device_put(lenet.init(jax.random.key(0)), device)
-
-    def sgd_step(apply: Apply):
-        loss = summed_cross_entropy(apply)
-        return jax.jit(lambda p, x, y: jax.tree.map(lambda a, g: a - 0.2 / batch_size * g, p, jax.grad(loss)(p, x, y)))
-
-    stepped = {name: sgd_step(FORMULATIONS[name][1]) for name in names}
-    for step in stepped.values():
-        jax.block_until_ready(step(params, images, labels))
+    """Seconds per step of each formulation's data-parallel SGD step on `devices` (jdp's train step, psum,
+    at most 2 steps in flight, as `jdp train` runs it), one list entry per round."""
+    optimizer = optax.sgd(0.2 / batch_size)
+    params = lenet.init(jax.random.key(0))
+    images = jax.random.uniform(jax.random.key(1), (batch_size, 1, 28, 28))
+    labels = jax.random.randint(jax.random.key(2), (batch_size,), 0, 10)
+    x, y = split_batch(images, labels, devices)
+    state = {name: (replicate(params, devices), replicate(optimizer.init(params), devices)) for name in names}
+    stepped = {name: make_train_step(summed_cross_entropy(FORMULATIONS[name][1]), optimizer, "psum", devices)
+               for name in names}
+    for name, step in stepped.items():
+        state[name] = jax.block_until_ready(repeat_step(step, state[name], x, y, 1))
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(rounds):
         for name, step in stepped.items():
-            p, start = params, time.perf_counter()
-            for _ in range(steps):
-                p = step(p, images, labels)
-            jax.block_until_ready(p)
+            start = time.perf_counter()
+            state[name] = jax.block_until_ready(repeat_step(step, state[name], x, y, steps))
             seconds[name].append((time.perf_counter() - start) / steps)
     return seconds
 
 
+def pick(seconds: dict[str, list[float]], margin: float = MARGIN) -> tuple[str, float]:
+    """The trainable formulation to use, and its median per-round speed-up over `fast`.
+
+    Among the timed formulations jdp trains, the one with the highest median of the per-round ratios
+    fast / it (each round times all of them in turn, so a ratio compares like with like); adopted
+    only if that median is at least 1 + `margin`, else `fast`: noise must not make `auto` slower
+    than the default it replaces.
+    """
+    ratios = {name: statistics.median(f / s for f, s in zip(seconds["fast"], times))
+              for name, times in seconds.items() if name in lenet_fast.FORMULATIONS}
+    best = max(ratios, key=ratios.get)
+    return (best, ratios[best]) if ratios[best] >= 1 + margin else ("fast", 1.0)
+
+
 def format_table(rows: list[dict]) -> str:
     """A markdown table, one row per formulation."""
-    lines = ["| formulation | ms/step | images/s | × reference | × fast | max grad diff | what |", "|---|---|---|---|---|---|---|"]
+    lines = ["| formulation | ms/step | images/s | × reference | × fast | median × fast | max grad diff | what |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['name']} | {r['ms_per_step']:.1f} | {r['images_per_s']:.0f} | "
-                     f"{r['vs_reference']:.2f} | {r['vs_fast']:.2f} | {r['gradient_error']:.1e} | {r['what']} |")
+        lines.append(f"| {r['name']} | {r['ms_per_step']:.1f} | {r['images_per_s']:.0f} | {r['vs_reference']:.2f} | "
+                     f"{r['vs_fast']:.2f} | {r['median_vs_fast']:.2f} | {r['gradient_error']:.1e} | {r['what']} |")
     return "\n".join(lines)
 
 
 def run_formulations_bench(args: argparse.Namespace) -> int:
     for name in ("batch_size", "steps", "rounds"):
         check_positive(name, getattr(args, name))
-    names = list(FORMULATIONS) if args.only is None else [n.strip() for n in args.only.split(",")]
+    default = list(lenet_fast.FORMULATIONS) if args.write_table else list(FORMULATIONS)
+    names = default if args.only is None else [n.strip() for n in args.only.split(",")]
     unknown = [n for n in names if n not in FORMULATIONS]
     if unknown:
         raise ConfigError(f"`only`: no formulation `{unknown[0]}`; choose from {', '.join(FORMULATIONS)}.")
     names = list(dict.fromkeys(["reference", "fast", *names]))  # the two ratios need both
     out = check_out_dir(args.out)
-    device = setup_devices(args)[0]
-    before = machine([device])
-    seconds = time_formulations(names, device, batch_size=args.batch_size, steps=args.steps, rounds=args.rounds)
+    devices = setup_devices(args)
+    before = machine(devices)
+    seconds = time_formulations(names, devices, batch_size=args.batch_size, steps=args.steps, rounds=args.rounds)
     best = {name: min(s) for name, s in seconds.items()}
     rows = [{"name": name, "what": FORMULATIONS[name][0], "seconds": seconds[name], "ms_per_step": 1e3 * best[name],
              "images_per_s": args.batch_size / best[name], "vs_reference": best["reference"] / best[name],
-             "vs_fast": best["fast"] / best[name], "gradient_error": gradient_error(FORMULATIONS[name][1])}
+             "vs_fast": best["fast"] / best[name],
+             "median_vs_fast": statistics.median(f / s for f, s in zip(seconds["fast"], seconds[name])),
+             "gradient_error": gradient_error(FORMULATIONS[name][1])}
             for name in names]
-    header = (f"jdp bench formulations: LeNet SGD step, batch {args.batch_size}, 1 {before['platform']} device, "
-              f"fastest of {args.rounds} rounds of {args.steps} steps; JAX {before['jax_version']}, "
-              f"{before['cpu']} ({before['host_cpus']} CPUs), load average {' '.join(before['load_average'])}, "
-              f"XLA flags: {before['xla_flags'] or 'none'}")
+    header = (f"jdp bench formulations: LeNet SGD step, batch {args.batch_size}, {len(devices)} {before['platform']} "
+              f"device(s), fastest of {args.rounds} rounds of {args.steps} steps; JAX {before['jax_version']}, "
+              f"{before['cpu']} ({before['vector_isa']}, {before['host_cpus']} CPUs), load average "
+              f"{' '.join(before['load_average'])}, XLA flags: {before['xla_flags'] or 'none'}")
     table = format_table(rows)
     print(header, table, sep="\n", flush=True)
+    entry = None
+    if args.write_table:
+        chosen, speedup = pick(seconds)
+        entry = auto_table.Entry(this_kind(devices[0].device_kind), len(devices), chosen,
+                            f"jdp bench formulations --write-table, {datetime.date.today()}, JAX {before['jax_version']}: "
+                            f"{chosen} {speedup:.2f}x fast (median of {args.rounds} rounds of {args.steps} steps)")
+        print(f"wrote {auto_table.write_entry(entry)}: {len(devices)} device(s) of this machine kind -> {chosen} "
+              f"({speedup:.2f}x fast, median of the rounds; adopted from {1 + MARGIN:.2f}x)", flush=True)
     if out is not None:
         (out / "formulations.md").write_text(header + "\n\n" + table + "\n")
         record = {"benchmark": "formulations", "machine": before, "load_average_after": machine()["load_average"],
                   "config": {k: v for k, v in vars(args).items() if k not in ("run", "command", "benchmark")},
-                  "results": rows}
+                  "results": rows, "table_entry": None if entry is None else entry.to_json()}
         (out / "formulations.json").write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {out / 'formulations.md'} and formulations.json")
     return 0

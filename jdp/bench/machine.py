@@ -8,13 +8,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from jdp.runtime.machine_kind import cpu_model_and_flags, vector_isa
+
 
 def machine(devices: Sequence[jax.Device] = ()) -> dict[str, Any]:
     """The host, the stack, jdp's XLA flags, how busy the machine was, and the devices if given."""
-    cpuinfo = _read("/proc/cpuinfo").splitlines()
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
-               platform.processor())
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    cpu, flags = cpu_model_and_flags()
     record = {
         "cpu": cpu, "vector_isa": vector_isa(flags), "host_cpus": os.cpu_count(), "machine": platform.machine(),
         "python": platform.python_version(), "jax_version": jax.__version__, "numpy_version": np.__version__,
@@ -25,19 +24,6 @@ def machine(devices: Sequence[jax.Device] = ()) -> dict[str, Any]:
         record.update(devices=[repr(d) for d in devices], platform=devices[0].platform,
                       device_kind=devices[0].device_kind)
     return record
-
-
-def vector_isa(flags: Sequence[str]) -> str:
-    """The widest vector instructions among /proc/cpuinfo's `flags`, the ones that set a CPU's speed here.
-
-    VMs that report the same CPU model may expose different ones (the same EPYC with or without
-    AVX-512), and the kernels of XLA, oneDNN and PyTorch differ accordingly.
-    """
-    have = set(flags)
-    for name in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
-        if name in have:
-            return name
-    return "other" if have else "unknown"
 
 
 def where(devices: Sequence[jax.Device]) -> str:

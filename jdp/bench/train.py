@@ -21,7 +21,7 @@ one run, not absolute figures.
 import argparse
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -34,11 +34,13 @@ from jdp.bench.machine import machine
 from jdp.errors import ConfigError, check_positive
 from jdp.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
 from jdp.models import lenet, precision
-from jdp.models.lenet_fast import IMPLEMENTATIONS
+from jdp.models.lenet_fast import FORMULATIONS
 from jdp.parallel.inflight import repeat_step
 from jdp.parallel.layout import replicate, split_batch
 from jdp.parallel.step import make_train_step
+from jdp.runtime.machine_kind import this_kind
 from jdp.training.feeders import make_epoch_runner
+from jdp.training.formulation import read_cache, resolve
 
 FULL_EPOCH_IMAGES = 60_000  # Fashion-MNIST's training set: sec/epoch is extrapolated to it
 TARGETS = {"max_overhead_1_2_devices": 1.10, "min_images_per_s_1_device": 3300.0, "max_k_vs_1_device": 1.3}
@@ -58,7 +60,9 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=40, help="batches per timed epoch and floor (sec/epoch extrapolated)")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds, each timing floor and epoch of every device count and precision in turn (min kept)")
-    p.add_argument("--model-impl", default="fast", choices=list(IMPLEMENTATIONS), help="LeNet formulation")
+    p.add_argument("--formulation", "--model-impl", default="auto", choices=["auto", *FORMULATIONS],
+                   help="LeNet formulation, resolved per device count as `jdp train` does (auto: the fastest measured "
+                   "for this machine kind, else fast)")
     p.add_argument("--steps-per-call", type=int, default=1, metavar="S", help="train steps per compiled call")
     p.add_argument("--precision", default="float32,bf16", metavar="P[,P]",
                    help=f"compute precisions to time, comma-separated, each a row per device count ({', '.join(precision.PRECISIONS)})")
@@ -105,7 +109,7 @@ def prepare(
     *,
     batch_size: int,
     steps: int,
-    model_impl: str = "fast",
+    formulation: str = "fast",
     steps_per_call: int = 1,
     precision_name: str = "float32",
 ) -> Round:
@@ -116,7 +120,7 @@ def prepare(
     all threads). The state carries over from round to round, as in training.
     """
     optimizer = optax.sgd(0.2)
-    model = precision.mixed(models.get("lenet", impl=model_impl), precision_name)
+    model = precision.mixed(models.get("lenet", impl=formulation), precision_name)
     step = make_train_step(model.loss, optimizer, "psum", devices)
     part = data.Split(split.images[:steps * batch_size], split.labels[:steps * batch_size])
     run_epoch = make_epoch_runner(step, part, devices, batch_size, steps_per_call=steps_per_call)
@@ -153,7 +157,7 @@ def bench_train(
     batch_size: int = 256,
     steps: int = 40,
     rounds: int = 3,
-    model_impl: str = "fast",
+    formulations: Mapping[int, str] | None = None,
     steps_per_call: int = 1,
     precisions: Sequence[str] = ("float32",),
     baseline: baselines.Baseline | None = None,
@@ -161,17 +165,19 @@ def bench_train(
     """Measures 1, 2 and len(devices) devices (those dividing `batch_size`) in each precision, and the ratios.
 
     Every (device count, precision) is compiled first; then each round times all of them in turn, so
-    load from other processes and the machine's drift over the run bias them alike.
+    load from other processes and the machine's drift over the run bias them alike. `formulations`:
+    device count -> the LeNet formulation timed there (`fast` for a count it does not name).
 
     Returns:
       {"matmul_peak_flops": {precision: FLOP/s}, "flops_per_image", "results": [one row per precision and
       device count], "targets" (on the float32 rows, if any), "baseline" (the committed one used, or None)}.
     """
-    counts = sorted({k for k in (1, 2, len(devices)) if k <= len(devices) and batch_size % k == 0})
+    counts = device_counts(len(devices), batch_size)
+    formulations = {k: (formulations or {}).get(k, "fast") for k in counts}
     peaks = {name: matmul_peak(devices[0], precision_name=name) for name in precisions}
     per_image = flops_per_image()
     configs = [(k, name) for k in counts for name in precisions]
-    timed = {(k, name): prepare(devices[:k], split, batch_size=batch_size, steps=steps, model_impl=model_impl,
+    timed = {(k, name): prepare(devices[:k], split, batch_size=batch_size, steps=steps, formulation=formulations[k],
                                 steps_per_call=steps_per_call, precision_name=name) for k, name in configs}
     times = {config: {"epoch_s": [], "floor_s": [], "epoch_cpu_s": [], "floor_cpu_s": []} for config in configs}
     for r in range(rounds):
@@ -184,7 +190,7 @@ def bench_train(
         epoch_s, floor_s = min(t["epoch_s"]), min(t["floor_s"])
         images_per_s = steps * batch_size / epoch_s
         rows.append({
-            "precision": name, "devices": k, **t, "overhead": epoch_s / floor_s,
+            "precision": name, "devices": k, "formulation": formulations[k], **t, "overhead": epoch_s / floor_s,
             "overhead_cpu": min(t["epoch_cpu_s"]) / min(t["floor_cpu_s"]), "images_per_s": images_per_s,
             "floor_images_per_s": steps * batch_size / floor_s,
             "sec_per_epoch": epoch_s / steps * (FULL_EPOCH_IMAGES // batch_size),
@@ -200,6 +206,11 @@ def bench_train(
     return {"matmul_peak_flops": peaks, "flops_per_image": per_image, "results": rows,
             "targets": check_targets(float32_rows) if float32_rows else {},
             "baseline": None if baseline is None else baseline._asdict()}
+
+
+def device_counts(available: int, batch_size: int) -> list[int]:
+    """The device counts the bench times: 1, 2 and all, those that divide the batch."""
+    return sorted({k for k in (1, 2, available) if k <= available and batch_size % k == 0})
 
 
 def check_targets(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -224,7 +235,7 @@ def format_table(record: dict[str, Any], header: str) -> str:
     """The results as a fixed-width text table, the targets below it."""
     columns = (f"{'precision':>9} {'devices':>7} {'epoch s':>8} {'floor s':>8} {'overhead':>8} {'(cpu)':>6} {'img/s':>7} "
                f"{'floor img/s':>11} {'s/epoch':>8} {'GFLOP/s':>8} {'of peak':>7} {'vs 1 dev':>8} {'vs base':>7} "
-               f"{'vs lesson':>9}")
+               f"{'vs lesson':>9} formulation")
     lines = [header, columns]
 
     def ratio(value: float | None) -> str:
@@ -236,7 +247,7 @@ def format_table(record: dict[str, Any], header: str) -> str:
             f"{r['overhead']:>8.3f} {r['overhead_cpu']:>6.3f} "
             f"{r['images_per_s']:>7.0f} {r['floor_images_per_s']:>11.0f} {r['sec_per_epoch']:>8.2f} "
             f"{r['achieved_flops'] / 1e9:>8.1f} {r['fraction_of_peak']:>7.1%} {r['vs_1_device']:>8.2f} "
-            f"{ratio(r['vs_baseline']):>7} {ratio(r['vs_lesson']):>9}"
+            f"{ratio(r['vs_baseline']):>7} {ratio(r['vs_lesson']):>9} {r['formulation']}"
         )
     peaks = ", ".join(f"{name} {flops / 1e9:.1f}" for name, flops in record["matmul_peak_flops"].items())
     lines.append(f"matmul peak (GFLOP/s): {peaks}; model {record['flops_per_image'] / 1e6:.2f} MFLOP/image (fwd+bwd); "
@@ -273,13 +284,17 @@ def run_train_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"`steps={args.steps}` × `batch_size={args.batch_size}` exceeds the "
                           f"{len(split.labels)} training images; use at most {len(split.labels) // args.batch_size} steps.")
     before = machine()
-    baseline = baselines.find(before, devices[0], batch_size=args.batch_size, model_impl=args.model_impl)
+    kind, cache = this_kind(devices[0].device_kind), read_cache()
+    choices = {k: resolve(args.formulation, kind, k, cache) for k in device_counts(len(devices), args.batch_size)}
+    baseline = baselines.find(before, devices[0], batch_size=args.batch_size, formulation=args.formulation)
     record = bench_train(devices, split, batch_size=args.batch_size, steps=args.steps, rounds=args.rounds,
-                         model_impl=args.model_impl, steps_per_call=args.steps_per_call, precisions=precisions,
-                         baseline=baseline)
+                         formulations={k: c.formulation for k, c in choices.items()},
+                         steps_per_call=args.steps_per_call, precisions=precisions, baseline=baseline)
+    record["formulations"] = {k: c.to_json() for k, c in choices.items()}
     platform_name = devices[0].platform + (" (simulated)" if devices[0].platform == "cpu" and len(devices) > 1 else "")
-    header = (f"jdp bench train: LeNet ({args.model_impl}), global batch {args.batch_size}, {args.dataset}, "
-              f"{args.steps} steps per measurement, fastest of {args.rounds} rounds, {platform_name}, "
+    chosen = ", ".join(f"{k}: {c.formulation}" for k, c in choices.items())
+    header = (f"jdp bench train: LeNet ({args.formulation}; devices {chosen}), global batch {args.batch_size}, "
+              f"{args.dataset}, {args.steps} steps per measurement, fastest of {args.rounds} rounds, {platform_name}, "
               f"load average {' '.join(before['load_average'])}")
     print(format_table(record, header), flush=True)
     if out is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from jdp.errors import ConfigError
 from jdp.flags import check_out_dir
+from jdp.training.resume import RENAMED
 
 # Settings that say where or how a run was recorded, not what it computed: never a label.
 NOT_A_DIFFERENCE = ("out", "no_progress", "checkpoint_dir", "checkpoint_every", "resume", "check_replicas",
@@ -57,7 +58,7 @@ def load(run_dir: str | Path) -> dict[str, Any]:
 
 def labels(records: dict[str, dict[str, Any]]) -> dict[str, str]:
     """Run dir -> the settings in which its config differs from the others' ("name=value ..."), or its dir."""
-    configs = {run: record["config"] for run, record in records.items()}
+    configs = {run: {RENAMED.get(k, k): v for k, v in record["config"].items()} for run, record in records.items()}
     keys = sorted({k for c in configs.values() for k in c} - set(NOT_A_DIFFERENCE))
     differ = [k for k in keys if len({json.dumps(c.get(k)) for c in configs.values()}) > 1]
     named = {run: " ".join(f"{k}={c.get(k)}" for k in differ if c.get(k) is not None) or Path(run).name

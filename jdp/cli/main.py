@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from jdp.data import DATASETS
     from jdp.models import BATCHNORM
-    from jdp.models.lenet_fast import IMPLEMENTATIONS
+    from jdp.models.lenet_fast import FORMULATIONS
     from jdp.models.precision import PRECISIONS
     from jdp.parallel.sync import DEFAULT_EVERY, DILOCO_OUTER, OUTER_OPTIMIZERS, SYNC_MODES
     from jdp.training.evaluate import EVAL_ON
@@ -77,8 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="resnet18: BatchNorm statistics synchronised over all devices (the global batch's), or "
                        "over each device's shard; resnet18 uses sync when it is not given; with --model "
                        "module:factory, passed to the factory as batchnorm=")
-    train.add_argument("--model-impl", default="fast", choices=list(IMPLEMENTATIONS),
-                       help="--model lenet's formulation: fast (jdp.models.lenet_fast) or the lesson's reference; same math")
+    train.add_argument("--formulation", "--model-impl", default="auto", choices=["auto", *FORMULATIONS],
+                       help="--model lenet's formulation, the same math written for speed: auto (the fastest "
+                       "measured for this machine kind and device count, else fast; a resumed run keeps its "
+                       "checkpoint's), fast, split-2/split-4 (each device's batch in independent chunks), or "
+                       "reference (the lesson's); --model-impl is its earlier name (docs/performance.md)")
     train.add_argument("--steps-per-call", type=int, default=1, metavar="S",
                        help="train steps per compiled call (unrolled); needs a collective allreduce strategy")
     train.add_argument("--precision", default="float32", choices=list(PRECISIONS),
@@ -169,7 +172,7 @@ def run_train(args: argparse.Namespace) -> int:
     from jdp import data, plot
     from jdp.runtime.devices import describe
     from jdp.runtime.faults import end_process
-    from jdp.training import checkpoint
+    from jdp.training import checkpoint, formulation
     from jdp.training.config import TrainConfig, learning_rate, payload_bytes
     from jdp.training.loop import train
     from jdp.training.profile import Profiler, default_window, parse_steps
@@ -194,7 +197,9 @@ def run_train(args: argparse.Namespace) -> int:
 
     import jax
 
+    config, choice = formulation.settle(config, devices, args.checkpoint_dir, args.resume)
     settings = {k: v for k, v in vars(args).items() if k not in ("run", "command")}  # as history.json's config
+    settings["formulation"] = choice.formulation  # what ran, not "auto"
     board = None
     if args.tensorboard is not None and jax.process_index() == 0:  # one writer per multi-process job
         from jdp.training.tensorboard import TensorBoardWriter
@@ -244,6 +249,7 @@ def run_train(args: argparse.Namespace) -> int:
             "allreduce_payload_bytes": payload,  # per device per allreduce: every step, or every sync
             "bytes_per_sync": payload,
             "bytes_per_step": None if history[-1].syncs is None else history[-1].syncs * payload / steps,
+            "formulation": choice.to_json(),  # what --formulation asked for, what ran, and why
             **({} if stragglers is None else {"stragglers": stragglers}),
         }
         (out / "history.json").write_text(json.dumps(record, indent=2) + "\n")

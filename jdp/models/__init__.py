@@ -29,7 +29,7 @@ from jax import lax
 
 from jdp.errors import ConfigError
 from jdp.models import lenet
-from jdp.models.lenet_fast import IMPLEMENTATIONS
+from jdp.models.lenet_fast import FORMULATIONS
 from jdp.runtime.devices import AXIS
 
 PyTree = Any
@@ -74,10 +74,10 @@ def summed_cross_entropy(apply_fn: Callable[[PyTree, jax.Array], jax.Array]) -> 
 
 def _lenet(impl: str = "fast", batchnorm: str | None = None) -> Model:
     _no_batchnorm("lenet", batchnorm)
-    if impl not in IMPLEMENTATIONS:
-        raise ConfigError(f"`impl` (a TrainConfig's `model_impl`) must be one of {', '.join(IMPLEMENTATIONS)}, "
+    if impl not in FORMULATIONS:
+        raise ConfigError(f"`impl` (a TrainConfig's `formulation`) must be one of {', '.join(FORMULATIONS)}, "
                           f"got `{impl}`.")
-    return Model(lenet.init, summed_cross_entropy(IMPLEMENTATIONS[impl]), IMPLEMENTATIONS[impl], name="lenet")
+    return Model(lenet.init, summed_cross_entropy(FORMULATIONS[impl]), FORMULATIONS[impl], name="lenet")
 
 
 def _lenet_flax(impl: str = "fast", batchnorm: str | None = None) -> Model:
@@ -105,15 +105,15 @@ def _no_batchnorm(name: str, batchnorm: str | None) -> None:
 
 
 # The registry: name -> build(**options) -> Model. Built-ins take `impl` and `batchnorm` (a TrainConfig's
-# `model_impl` and `batchnorm`); `register` adds more.
+# `formulation` and `batchnorm`); `register` adds more.
 _MODELS: dict[str, Callable[..., Model]] = {"lenet": _lenet, "lenet_flax": _lenet_flax, "resnet18": _resnet18}
 
 
 def register(name: str, build: Callable[..., Model], *, replace: bool = False) -> None:
     """Makes `build(**options) -> Model` available as `get(name)` and `jdp train --model name`.
 
-    `jdp.train` calls it with `impl=` and `batchnorm=` (a TrainConfig's `model_impl` and `batchnorm`,
-    the CLI's `--model-impl` and `--batchnorm`); a model without such options accepts and ignores them
+    `jdp.train` calls it with `impl=` and `batchnorm=` (a TrainConfig's `formulation` and `batchnorm`,
+    the CLI's `--formulation` and `--batchnorm`); a model without such options accepts and ignores them
     or refuses them by name.
 
     Raises:

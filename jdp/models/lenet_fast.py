@@ -22,6 +22,10 @@ the figures are in docs/performance.md):
   `reduce_window`.
 * Flattening for the dense layer: NHWC flattens in (h, w, c) order, the reference in (c, h, w);
   W3's rows are permuted to match instead of transposing the activations.
+
+`in_chunks(apply, n)` runs a batch as n independent chunks in one step: the same math, summed in
+another order, and independent work XLA's CPU runtime may run on several cores at once. Where it
+pays depends on the machine (`--formulation auto`, `jdp.training.formulation`).
 """
 
 from collections.abc import Callable
@@ -76,6 +80,40 @@ def conv_with_matmul_gradients(weight: bool, inputs: bool) -> Callable[[jax.Arra
 
     conv.defvjp(conv_fwd, conv_bwd)
     return conv
+
+
+@jax.custom_vjp
+def conv_low_precision_forward_gradients(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
+    """A VALID NHWC/HWIO convolution whose gradients, below float32, are forward convolutions too.
+
+    In float32 the gradients are XLA's own (the transposes of the convolution). In bfloat16, XLA's
+    CPU compiler runs one of conv2's two backward convolutions in float32 (converting dy and the
+    kernel up); written as forward convolutions (the input gradient over dy padded by kh−1, kw−1
+    with the kernel flipped, the weight gradient with batch and channels swapped) both run in
+    bfloat16, the weight gradient accumulated in float32. Not jdp's default: on the AVX-512 BF16 VM
+    the whole bf16 step measured no faster (`jdp bench formulations`'s bf16-conv2-forward-grads).
+    """
+    return _conv(x, w_hwio)
+
+
+def _forward_gradients_fwd(x, w_hwio):
+    return _conv(x, w_hwio), (x, w_hwio)
+
+
+def _forward_gradients_bwd(residuals, dy):
+    x, w_hwio = residuals
+    if dy.dtype == jnp.float32:
+        return jax.vjp(_conv, x, w_hwio)[1](dy)
+    kh, kw = w_hwio.shape[:2]
+    padded = jnp.pad(dy, ((0, 0), (kh - 1, kh - 1), (kw - 1, kw - 1), (0, 0)))
+    dx = _conv(padded, jnp.flip(w_hwio, (0, 1)).transpose(0, 1, 3, 2))
+    # dw[i, j, c, o] = Σ_n,h,w x[n, h+i, w+j, c] dy[n, h, w, o]: a convolution of x as (C, H, W, N) by dy as (H, W, N, O)
+    dw = jax.lax.conv_general_dilated(x.transpose(3, 1, 2, 0), dy.transpose(1, 2, 0, 3), (1, 1), "VALID",
+                                      dimension_numbers=DIMS, preferred_element_type=jnp.float32)
+    return dx, dw.transpose(1, 2, 0, 3).astype(w_hwio.dtype)
+
+
+conv_low_precision_forward_gradients.defvjp(_forward_gradients_fwd, _forward_gradients_bwd)
 
 
 def avg_pool(x: jax.Array) -> jax.Array:
@@ -180,5 +218,21 @@ def make_apply(layer1: Layer = one_channel_conv_relu_pool, conv2: Conv = _conv,
 apply = make_apply()
 
 
-# `--model-impl` name -> apply function; both take the same params and images.
-IMPLEMENTATIONS = {"reference": lenet.apply, "fast": apply}
+def in_chunks(apply: Callable[[Params, jax.Array], jax.Array], chunks: int) -> Callable[[Params, jax.Array], jax.Array]:
+    """`apply` run on the batch cut into `chunks` parts (near-equal; fewer if the batch is smaller), logits joined.
+
+    Each part's forward and backward pass depends on no other part's, so XLA's CPU runtime may run
+    them concurrently; the gradient is the sum of the parts' gradients (float32 sums in another order).
+    """
+
+    def chunked(params: Params, images: jax.Array) -> jax.Array:
+        parts = jnp.array_split(images, min(chunks, images.shape[0]) or 1)
+        return jnp.concatenate([apply(params, part) for part in parts])
+
+    return chunked
+
+
+# The formulations jdp trains (`--formulation`, TrainConfig's `formulation`) -> apply function; all take
+# the same params and images and compute the same logits up to float32 rounding.
+FORMULATIONS = {"reference": lenet.apply, "fast": apply, "split-2": in_chunks(apply, 2),
+                "split-4": in_chunks(apply, 4)}

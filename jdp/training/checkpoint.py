@@ -183,6 +183,21 @@ def load(path: str | os.PathLike, target: PyTree, check: Callable[[dict[str, Any
     """
     from flax import serialization
 
+    path, step, info, saved = _read(path)
+    if check is not None:
+        check(info)
+    _check_fits(path, saved, serialization.to_state_dict(target))
+    return Checkpoint(path, step, serialization.from_state_dict(target, saved), info)
+
+
+def _read(path: str | os.PathLike) -> tuple[Path, int, dict[str, Any], PyTree]:
+    """(path, step, the run's description, the saved arrays as a state dict) of an intact checkpoint file.
+
+    Raises:
+      DataError: if the file is not a complete, intact jdp checkpoint.
+    """
+    from flax import serialization
+
     path = Path(path)
     match = _NAME.fullmatch(path.name)
     if match is None:
@@ -196,13 +211,23 @@ def load(path: str | os.PathLike, target: PyTree, check: Callable[[dict[str, Any
         raise DataError(f"{path} is corrupt: its contents do not match the checksum written with them.")
     try:
         content = serialization.msgpack_restore(payload)
-        info, saved = json.loads(content["info"]), content["arrays"]
+        return path, int(match.group(1)), json.loads(content["info"]), content["arrays"]
     except (ValueError, KeyError, TypeError) as e:  # msgpack's and json's errors derive from ValueError
         raise DataError(f"{path} cannot be decoded as a jdp checkpoint: {e}") from None
-    if check is not None:
-        check(info)
-    _check_fits(path, saved, serialization.to_state_dict(target))
-    return Checkpoint(path, int(match.group(1)), serialization.from_state_dict(target, saved), info)
+
+
+def latest_info(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The run description saved with the checkpoint `restore_latest` would restore, or None if there is none.
+
+    For settings a resumed run takes from its checkpoint before it builds its model (`formulation="auto"`).
+    Damaged checkpoints are skipped here; `restore_latest` reports them.
+    """
+    for path in list_checkpoints(directory):
+        try:
+            return _read(path)[2]
+        except DataError:
+            continue
+    return None
 
 
 def _check_fits(path: Path, saved: PyTree, target: PyTree) -> None:

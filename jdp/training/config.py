@@ -14,7 +14,7 @@ from jdp.parallel.layout import check_backend, check_divisible, copies
 from jdp.parallel.opt_state import OptState
 from jdp.parallel.step import check_strategy
 from jdp.parallel.strategy import Allreduce
-from jdp.training import optimizers
+from jdp.training import formulation, optimizers
 from jdp.training.evaluate import EVAL_ON
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class TrainConfig:
     eval_on: str = "all"  # "all": split evaluation over the devices; "device0": the lesson's way
     warmup_steps: int = 0  # ramp the lr linearly from 0 over this many steps (Goyal et al. 2017)
     model: str | Model = "lenet"  # a registered name (jdp.model_names()) or your own Model
-    model_impl: str = "fast"  # for model "lenet": a key of jdp.models.lenet_fast.IMPLEMENTATIONS; "reference" is the lesson's
+    formulation: str = "fast"  # model "lenet": a key of jdp.models.lenet_fast.FORMULATIONS, or "auto" (jdp.training.formulation)
     batchnorm: str | None = None  # for models with BatchNorm: "sync" (default) or "per-replica" (jdp.models)
     steps_per_call: int = 1  # train steps per compiled call (unrolled); > 1 needs a collective strategy
     backend: str = "pmap"  # "pmap" or "shard_map": how the step is mapped over the devices (jdp.parallel.layout)
@@ -58,8 +58,15 @@ class TrainConfig:
     outer_optimizer: str | None = None  # diloco: "nesterov" (None: it) or "sgd"
     outer_lr: float | None = None  # diloco: the outer optimizer's lr; None: 0.7 (Douillard et al. 2023)
     outer_momentum: float | None = None  # diloco: the outer momentum; None: 0.9 with nesterov, none with sgd
+    model_impl: dataclasses.InitVar[str | None] = None  # the earlier name of `formulation`, still accepted
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, model_impl: str | None) -> None:
+        if model_impl is not None:
+            if self.formulation not in ("fast", model_impl):
+                raise ConfigError(f"`model_impl={model_impl}` is the earlier name of `formulation`, which is "
+                                  f"`{self.formulation}`; pass `formulation` alone.")
+            object.__setattr__(self, "formulation", model_impl)
+        formulation.check(self.formulation)
         for name in ("batch_size", "epochs", "steps_per_call", "accumulate"):
             check_positive(name, getattr(self, name))
         if self.warmup_steps < 0:
@@ -99,11 +106,13 @@ class TrainConfig:
                                weight_decay=self.weight_decay)
 
     def build_model(self) -> Model:
-        """`model` itself, or the registered model of that name built with `model_impl` and `batchnorm`;
-        computing in `precision`."""
+        """`model` itself, or the registered model of that name built with `formulation` and `batchnorm`;
+        computing in `precision`. `formulation="auto"` builds `fast` here: `jdp.train` settles it first
+        (`jdp.training.formulation.settle`)."""
         if isinstance(self.model, Model) and self.batchnorm is not None:
             raise ConfigError("`batchnorm` selects a built-in model's BatchNorm; your own `Model` defines its own.")
-        return precision.mixed(models.get(self.model, impl=self.model_impl, batchnorm=self.batchnorm), self.precision)
+        impl = formulation.DEFAULT if self.formulation == formulation.AUTO else self.formulation
+        return precision.mixed(models.get(self.model, impl=impl, batchnorm=self.batchnorm), self.precision)
 
     def build_sync(self) -> sync_lib.Sync:
         """When the replicas meet (`sync`, `sync_every`, DiLoCo's outer optimizer)."""

@@ -21,7 +21,7 @@ from jdp.parallel.layout import copies, fetch, map_over_devices, place, to_host
 from jdp.parallel.step import make_train_step
 from jdp.parallel.sync import make_consensus, make_sync
 from jdp.runtime import faults
-from jdp.training import checkpoint, guards
+from jdp.training import checkpoint, formulation, guards
 from jdp.training.config import TrainConfig
 from jdp.training.evaluate import make_evaluator
 from jdp.training.feeders import make_epoch_runner
@@ -62,7 +62,9 @@ def train(
     """Trains `config.model` (the lesson's LeNet by default, or your own `Model`) data-parallel on `devices`.
 
     Args:
-      config: hyper-parameters and strategy (checked when it was made).
+      config: hyper-parameters and strategy (checked when it was made). `formulation="auto"` is settled
+        here (`jdp.training.formulation.settle`): the checkpoint's formulation when resuming, else this
+        machine kind's fastest measured one; the checkpoints record the name used.
       dataset: host arrays; batches are split over the devices each step.
       devices: where the replicas live.
       on_epoch: called with each epoch's record as soon as it is known.
@@ -93,6 +95,7 @@ def train(
     """
     config.check_fits(len(dataset.train.labels), len(devices))
     checkpoint.check_options(checkpoint_dir, checkpoint_every, resume)
+    config, _ = formulation.settle(config, devices, checkpoint_dir, resume)  # "auto": this machine's, or the checkpoint's
     if check_replicas is not None:
         check_positive("check_replicas", check_replicas, "number of steps")
     if collective_timeout is not None and not collective_timeout > 0:

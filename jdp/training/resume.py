@@ -21,7 +21,9 @@ SAME_STATE = ("optimizer", "shard_optimizer", "sync", "outer_optimizer")
 # Settings added after the first checkpoints were written, with the value those runs had.
 ADDED = {"optimizer": "sgd", "momentum": None, "weight_decay": None, "accumulate": 1, "shard_optimizer": False,
          "precision": "float32", "sync": "every-step", "sync_every": None, "outer_optimizer": None,
-         "outer_lr": None, "outer_momentum": None}
+         "outer_lr": None, "outer_momentum": None, "formulation": "fast"}
+# Settings renamed since: old name -> new name (`model_impl` became `formulation`, its values kept).
+RENAMED = {"model_impl": "formulation"}
 # What may change without a note: how many epochs to run, and how the test set is evaluated.
 FREE = ("epochs", "eval_on")
 
@@ -51,6 +53,12 @@ def describe_run(config: dict[str, Any], dataset: Any, device_count: int,
     }
 
 
+def settings(config: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved settings under today's names, with the values of settings added since filled in."""
+    current = {RENAMED.get(name, name): value for name, value in config.items()}
+    return {**ADDED, **current}
+
+
 def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuses a checkpoint whose optimizer state is of another kind (`optimizer`, `shard_optimizer`, `sync`, ...).
 
@@ -62,7 +70,7 @@ def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
     Raises:
       ConfigError: naming the setting that differs.
     """
-    old, new = {**ADDED, **saved["config"]}, {**ADDED, **current["config"]}
+    old, new = settings(saved["config"]), settings(current["config"])
     for name in SAME_STATE:
         if old[name] != new[name]:
             raise ConfigError(
@@ -126,7 +134,7 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
             f"{have['sha256'][:12]}…) than this run's ({want['train']}, {want['sha256'][:12]}…). Resume with the "
             "same `--dataset`, `--data-dir` and `--seed`, or pass a new `checkpoint_dir`."
         )
-    old, new = {**ADDED, **saved["config"]}, {**ADDED, **current["config"]}
+    old, new = settings(saved["config"]), settings(current["config"])
     for name in MUST_MATCH:
         if old.get(name) != new.get(name):
             raise ConfigError(
