@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdp.runtime.machine_kind import cpu_model_and_flags, vector_isa
+from jdp.runtime.machine_kind import cpu_model_and_flags, read_or_empty, vector_isa
 
 
 def machine(devices: Sequence[jax.Device] = ()) -> dict[str, Any]:
@@ -18,7 +18,7 @@ def machine(devices: Sequence[jax.Device] = ()) -> dict[str, Any]:
         "cpu": cpu, "vector_isa": vector_isa(flags), "host_cpus": os.cpu_count(), "machine": platform.machine(),
         "python": platform.python_version(), "jax_version": jax.__version__, "numpy_version": np.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),  # jdp's CPU performance flags, unless --no-xla-flags
-        "load_average": _read("/proc/loadavg").split()[:3],
+        "load_average": read_or_empty("/proc/loadavg").split()[:3],
     }
     if devices:
         record.update(devices=[repr(d) for d in devices], platform=devices[0].platform,
@@ -30,11 +30,3 @@ def where(devices: Sequence[jax.Device]) -> str:
     """"8 cpu devices (simulated on one host's CPU cores)", for table headers."""
     simulated = " (simulated on one host's CPU cores)" if devices[0].platform == "cpu" and len(devices) > 1 else ""
     return f"{len(devices)} {devices[0].platform} devices{simulated}"
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""

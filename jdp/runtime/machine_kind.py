@@ -25,7 +25,7 @@ class Kind(NamedTuple):
 
 def cpu_model_and_flags() -> tuple[str, list[str]]:
     """/proc/cpuinfo's model name and flags (platform.processor() and [] where there is none)."""
-    cpuinfo = _read("/proc/cpuinfo").splitlines()
+    cpuinfo = read_or_empty("/proc/cpuinfo").splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
                platform.processor())
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
@@ -62,7 +62,8 @@ def best_match(items: Iterable[T], key: Callable[[T], Kind], kind: Kind) -> T | 
     return next((item for item in found if key(item).cpu is not None), found[0] if found else None)
 
 
-def _read(path: str) -> str:
+def read_or_empty(path: str) -> str:
+    """A /proc file's text, or "" where there is none (not Linux, a sandbox)."""
     try:
         with open(path) as f:
             return f.read()
