@@ -1,4 +1,9 @@
-"""Simulate 8 CPU devices before anything starts JAX's backend (tests run without a GPU)."""
+"""Simulate 8 CPU devices before anything starts JAX's backend (tests run without a GPU), and share one
+XLA compilation cache between the tests of a run."""
+
+import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -7,6 +12,28 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
 N_DEVICES = 8
+SHARED_CACHE_ENV = "JDP_TESTS_COMPILATION_CACHE"  # how the pytest-xdist workers learn the run's cache folder
+
+
+def pytest_configure(config):
+    """Many tests compile the same step for the same shapes; a compilation cache, fresh for each run and shared by
+    its pytest-xdist workers, compiles each once. The `jdp` processes tests start keep JAX's default (no cache):
+    JAX 0.12 warns on stderr when it cannot serialize a multi-process CPU executable, and tests read those streams.
+    A run that sets $JAX_COMPILATION_CACHE_DIR itself (empty: no cache) keeps its own choice."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    folder = os.environ.get(SHARED_CACHE_ENV)
+    if folder is None:  # the first process of the run: the workers it starts inherit the variable
+        folder = config.jdp_compilation_cache = tempfile.mkdtemp(prefix="jdp-tests-xla-cache-")
+        os.environ[SHARED_CACHE_ENV] = folder
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # LeNet's steps compile in well under 1 s
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "jdp_compilation_cache"):
+        shutil.rmtree(config.jdp_compilation_cache, ignore_errors=True)
+        del os.environ[SHARED_CACHE_ENV]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -15,8 +42,6 @@ def formulation_pinned(tmp_path_factory):
     process and in the `jdp` processes tests start: $JDP_CACHE_DIR points at a table that says so for this
     machine, for every device count tests use, and no user's own table is read. Tests of `auto` itself set
     their own table (tests/test_formulation.py)."""
-    import os
-
     from jdp.runtime.machine_kind import this_kind
     from jdp.training import formulation
 

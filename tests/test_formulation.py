@@ -82,7 +82,7 @@ def test_a_resumed_auto_run_takes_the_checkpoints_formulation(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_auto_is_recorded_and_a_resume_keeps_the_checkpoints_choice(tmp_path, monkeypatch):
+def test_auto_is_recorded_and_a_resume_keeps_the_checkpoints_choice(tmp_path, monkeypatch, capsys):
     """`jdp train`: 1 epoch of 8 steps on 1 device under a table choosing split-2; then the table says split-4 and
     the machine is another kind: the resumed run keeps split-2, in history.json and in its checkpoints."""
     monkeypatch.setenv(formulation.CACHE_ENV, str(tmp_path / "cache"))  # no user table
@@ -91,6 +91,7 @@ def test_auto_is_recorded_and_a_resume_keeps_the_checkpoints_choice(tmp_path, mo
     args = ["train", "--dataset", "synthetic", "--devices", "1", "--batch-size", "256", "--no-progress",
             "--checkpoint-dir", str(tmp_path / "ckpt")]
     assert cli.main([*args, "--epochs", "1", "--out", str(tmp_path / "first")]) == 0
+    assert "formulation: split-2 (committed table: test table)\n" in capsys.readouterr().out  # said as it starts
     first = json.loads((tmp_path / "first" / "history.json").read_text())
     assert first["config"]["formulation"] == "split-2"
     assert first["formulation"] == {"formulation": "split-2", "requested": "auto",
@@ -100,6 +101,7 @@ def test_auto_is_recorded_and_a_resume_keeps_the_checkpoints_choice(tmp_path, mo
     monkeypatch.setattr(formulation, "this_kind", lambda device_kind: OTHER_MODEL)
     monkeypatch.setattr(formulation, "COMMITTED", (Entry(OTHER_MODEL, 1, "split-4", "changed"),))
     assert cli.main([*args, "--epochs", "2", "--resume", "--out", str(tmp_path / "resumed")]) == 0
+    assert "formulation: split-2 (the checkpoint resumed)\n" in capsys.readouterr().out
     resumed = json.loads((tmp_path / "resumed" / "history.json").read_text())
     assert resumed["formulation"] == {"formulation": "split-2", "requested": "auto", "source": "the checkpoint resumed"}
     assert [e["epoch"] for e in resumed["epochs"]] == [1, 2]

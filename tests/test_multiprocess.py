@@ -118,13 +118,12 @@ def test_one_process_loads_every_row(devices):
 
 # --- real jobs: 2 processes x 2 simulated CPU devices over loopback --------------------------------
 
-DRIVER = textwrap.dedent("""
-    import argparse, sys
+# A driver script's start: the flags `jdp launch` appends, the simulated devices, jax.distributed; then `import jax`.
+PREAMBLE = textwrap.dedent("""
+    import argparse
     import numpy as np
     from jdp import data
-    from jdp.runtime import devices
-    from jdp.runtime import distributed
-    from jdp.parallel import layout
+    from jdp.runtime import devices, distributed
     from jdp.training.loop import TrainConfig, train
 
     parser = argparse.ArgumentParser()
@@ -134,6 +133,10 @@ DRIVER = textwrap.dedent("""
     devices.simulate_cpu_devices(int(a.cpu_devices))
     assert distributed.initialize(a.coordinator, int(a.num_processes), int(a.process_id))
     import jax
+""")
+
+DRIVER = PREAMBLE + textwrap.dedent("""
+    from jdp.parallel import layout
     dataset = data.synthetic(jax.random.key(0), **{synthetic})
     for backend in layout.BACKENDS:
         params, history = train(TrainConfig(**{config}, backend=backend), dataset, devices.select_devices())
@@ -220,21 +223,8 @@ def test_a_killed_worker_makes_the_launcher_fail_fast():
     assert f"process 1 (pid {victim}) failed: killed by SIGKILL; stopped the other 1 process(es)." in rest
 
 
-HIERARCHICAL_DRIVER = textwrap.dedent("""
-    import argparse
-    import numpy as np
-    from jdp import data
-    from jdp.runtime import devices, distributed
+HIERARCHICAL_DRIVER = PREAMBLE + textwrap.dedent("""
     from jdp.parallel import collectives
-    from jdp.training.loop import TrainConfig, train
-
-    parser = argparse.ArgumentParser()
-    for flag in ("--coordinator", "--num-processes", "--process-id", "--cpu-devices", "--save"):
-        parser.add_argument(flag)
-    a = parser.parse_args()
-    devices.simulate_cpu_devices(int(a.cpu_devices))
-    assert distributed.initialize(a.coordinator, int(a.num_processes), int(a.process_id))
-    import jax
     mesh = devices.select_devices()
     inner, across = collectives.host_groups(len(mesh))  # one host per process
     print("hosts", [[mesh[d].process_index for d in host] for host in inner], "across", across, flush=True)

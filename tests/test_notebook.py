@@ -8,14 +8,20 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "multiple_devices_from_scratch.ipynb"
+WHICH_ALLREDUCE = NOTEBOOK.parent / "which_allreduce.ipynb"
+
+
+def execute_quick(path: Path, folder: Path, monkeypatch) -> nbformat.NotebookNode:
+    """The notebook at `path`, executed top to bottom in quick mode with `folder` as its working directory."""
+    monkeypatch.setenv("JDP_NOTEBOOK_QUICK", "1")
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(folder)}}).execute()
+    return notebook
 
 
 @pytest.mark.slow
 def test_notebook_runs_in_quick_mode(tmp_path, monkeypatch):
-    monkeypatch.setenv("JDP_NOTEBOOK_QUICK", "1")
-    notebook = nbformat.read(NOTEBOOK, as_version=4)
-    client = NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
+    notebook = execute_quick(NOTEBOOK, tmp_path, monkeypatch)
     outputs = "".join(
         out.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
     )
@@ -24,7 +30,6 @@ def test_notebook_runs_in_quick_mode(tmp_path, monkeypatch):
     assert outputs.count("test acc: ") == 2
     assert (tmp_path / "accuracy.png").stat().st_size > 1000
     assert not any(out.get("output_type") == "error" for cell in notebook.cells for out in cell.get("outputs", []))
-
 
 
 def test_committed_notebook_keeps_full_run_outputs():
@@ -37,16 +42,10 @@ def test_committed_notebook_keeps_full_run_outputs():
                for out in cell.get("outputs", []))
 
 
-WHICH_ALLREDUCE = NOTEBOOK.parent / "which_allreduce.ipynb"
-
-
 @pytest.mark.slow
 def test_which_allreduce_notebook_measures_fits_and_predicts(tmp_path, monkeypatch):
     """notebooks/which_allreduce.ipynb in quick mode: 4 device counts measured, a held-out fit, 5 predictions."""
-    monkeypatch.setenv("JDP_NOTEBOOK_QUICK", "1")
-    notebook = nbformat.read(WHICH_ALLREDUCE, as_version=4)
-    client = NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
+    notebook = execute_quick(WHICH_ALLREDUCE, tmp_path, monkeypatch)
     outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.get("outputs", [])]
     text = "".join(out.get("text", "") for out in outputs)
     assert not any(out.get("output_type") == "error" for out in outputs)

@@ -200,6 +200,8 @@ def run_train(args: argparse.Namespace) -> int:
     config, choice = formulation.settle(config, devices, args.checkpoint_dir, args.resume)
     settings = {k: v for k, v in vars(args).items() if k not in ("run", "command")}  # as history.json's config
     settings["formulation"] = choice.formulation  # what ran, not "auto"
+    if choice.requested != choice.formulation and args.model == "lenet" and jax.process_index() == 0:
+        print(f"formulation: {choice.formulation} ({choice.source})", flush=True)
     board = None
     if args.tensorboard is not None and jax.process_index() == 0:  # one writer per multi-process job
         from jdp.training.tensorboard import TensorBoardWriter
