@@ -34,6 +34,7 @@ def test_train_synthetic_end_to_end(tmp_path):
     assert history["config"]["allreduce"] == "manual" and history["config"]["batch_size"] == 64
     assert history["config"]["formulation"] == "fast"  # `auto`, pinned to fast for tests (tests/conftest.py)
     assert history["formulation"]["requested"] == "auto"
+    assert result.stdout.startswith("formulation: fast (user table (formulations.json): tests/conftest.py: pinned)\n")
     assert [e["epoch"] for e in history["epochs"]] == [1, 2]
     assert set(history["epochs"][0]) == {"epoch", "train_loss", "test_acc", "seconds", "syncs", "bytes_sent"}
     assert isinstance(history["jax_version"], str)
