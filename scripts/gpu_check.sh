@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One GPU check of jdp: install jdp with CUDA, check that JAX sees a GPU, then on 1 GPU time the training
-# step in float32 and bf16 (jdp bench train), train 10 epochs in each precision (jdp train) and time the
-# allreduce algorithms (jdp bench allreduce). Every file it writes goes under $OUT; $OUT/SUMMARY.md has
-# the key figures.
+# step in float32 and bf16 (jdp bench train), train 10 epochs in each precision (jdp train), train ResNet-18
+# with 1 and 8 steps per call, time the loop's host overhead (jdp bench loop), run the lesson's PyTorch code
+# on the same GPU when torch sees one, and time the allreduce algorithms (jdp bench allreduce). Every file it
+# writes goes under $OUT; $OUT/SUMMARY.md and $OUT/summary.json have the key figures (each run's seconds per
+# epoch against the compute floor, and against the lesson's PyTorch code).
 #
 #   OUT=/path/to/results scripts/gpu_check.sh               # on a machine with an NVIDIA GPU
 #   OUT=/path/to/results scripts/gpu_check.sh --no-install  # the same with $PYTHON as it is: no venv, no pip
@@ -65,7 +67,11 @@ if [[ $DRY_RUN == 1 ]]; then
   PY="${PYTHON:-python3}"
   DEVICES=(--cpu-devices 1 --devices 1)
   BENCH_TRAIN=("${DATA[@]}" --steps 2 --rounds 1)
-  TRAIN=("${DATA[@]}" --epochs 1)
+  TRAIN=("${DATA[@]}" --epochs 2)
+  BIG=("${DATA[@]}" --epochs 2 --model lenet_flax)  # ResNet-18 takes minutes on a CPU: its commands, a smaller model
+  BIG_NAME=lenet_flax
+  BIG_STEPS_PER_CALL=2
+  LOOP=(--cpu-devices 1 --steps 50 --rounds 1)
   ALLREDUCE=(--cpu-devices 1 --sizes 4KiB..16KiB --repeats 1)
 else
   if [[ $INSTALL == 1 ]]; then
@@ -91,6 +97,10 @@ else
   DEVICES=(--devices 1)
   BENCH_TRAIN=("${DATA[@]}")
   TRAIN=("${DATA[@]}" --epochs 10)
+  BIG=("${DATA[@]}" --epochs 3 --model resnet18)
+  BIG_NAME=resnet18
+  BIG_STEPS_PER_CALL=8
+  LOOP=(--devices 1)
   ALLREDUCE=(--sizes 4KiB..256MiB)
 fi
 JDP=("$PY" -m jdp)
@@ -107,12 +117,29 @@ for precision in float32 bf16; do
   run "train-$precision" "${JDP[@]}" train "${DEVICES[@]}" "${TRAIN[@]}" --precision "$precision" --no-progress \
     --out "$OUT/train-$precision"
 done
+for steps_per_call in 1 "$BIG_STEPS_PER_CALL"; do
+  run "train-$BIG_NAME-s$steps_per_call" "${JDP[@]}" train "${DEVICES[@]}" "${BIG[@]}" \
+    --steps-per-call "$steps_per_call" --no-progress --out "$OUT/train-$BIG_NAME-s$steps_per_call"
+done
+run bench-loop "${JDP[@]}" bench loop "${LOOP[@]}" --out "$OUT/bench-loop"
+# The lesson's PyTorch code on the same GPU: when torch sees one and the real data is here.
+rm -f "$OUT/lesson-pytorch.json"
+if [[ $DRY_RUN == 1 ]]; then LESSON_NOTE="not run: dry run"
+elif [[ -z "$DATA_DIR" ]]; then LESSON_NOTE="not run: no Fashion-MNIST IDX files"
+elif ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+  LESSON_NOTE="not run: torch is not importable by $PY or sees no GPU"
+else
+  run lesson-pytorch "$PY" scripts/lesson_pytorch.py --device cuda --data-dir "$DATA_DIR" --epochs 5 \
+    --out "$OUT/lesson-pytorch.json"
+  LESSON_NOTE="run: lesson-pytorch.log"
+fi
 run bench-allreduce "${JDP[@]}" bench allreduce "${ALLREDUCE[@]}" --out "$OUT/bench-allreduce"
 
-"$PY" - "$OUT" "$DRY_RUN" "$DATA_NOTE" > "$OUT/SUMMARY.md" <<'EOF' || die "could not write $OUT/SUMMARY.md"
+"$PY" - "$OUT" "$DRY_RUN" "$DATA_NOTE" "$LESSON_NOTE" "$BIG_NAME" "$BIG_STEPS_PER_CALL" > "$OUT/SUMMARY.md" <<'EOF' || die "could not write $OUT/SUMMARY.md"
 import datetime, json, pathlib, sys
 
-out, dry_run, data_note = pathlib.Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
+out, dry_run, data_note, lesson_note = pathlib.Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3], sys.argv[4]
+big, big_steps = sys.argv[5], sys.argv[6]
 bench = json.loads((out / "bench-train" / "bench_train.json").read_text())
 smi = out / "nvidia-smi.txt"
 smi_lines = smi.read_text().splitlines() if smi.exists() else []
@@ -126,16 +153,61 @@ print("## jdp bench train, 1 device\n\n```")
 for line in (out / "bench-train.log").read_text().splitlines():
     if not line.startswith(("==", "wrote ")):
         print(line)
-print("```\n\n## jdp train, 1 device\n")
-print("| precision | dataset | epochs | final test acc | epoch 1 s (compiles) | sec/epoch (mean of the others) |")
-print("|---|---|---:|---:|---:|---:|")
-for precision in ("float32", "bf16"):
-    history = json.loads((out / f"train-{precision}" / "history.json").read_text())
-    epochs, dataset = history["epochs"], history["config"].get("dataset")
+summary = {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "dry_run": dry_run,
+           "device_kind": bench["device_kind"], "gpu": gpu, "jax": bench["machine"]["jax_version"], "data": data_note}
+floor_per_image = {r["precision"]: 1 / r["floor_images_per_s"] for r in bench["results"] if r["devices"] == 1}
+
+
+def images_per_epoch(config):
+    """The images one epoch of `jdp train` trains on: full batches of Fashion-MNIST's 60,000, or the synthetic set."""
+    import inspect
+    from jdp import data
+    n = 60000 if config["dataset"] == "fashion_mnist" else inspect.signature(data.synthetic).parameters["n_train"].default
+    return n // config["batch_size"] * config["batch_size"]
+
+
+def seconds_per_epoch(name):
+    """(epoch 1's seconds, the mean of the later epochs' or None, final test accuracy) of a `jdp train` run."""
+    epochs = json.loads((out / name / "history.json").read_text())["epochs"]
     later = [e["seconds"] for e in epochs[1:]]
-    mean = f"{sum(later) / len(later):.2f}" if later else "-"
-    print(f"| {precision} | {dataset} | {len(epochs)} | {epochs[-1]['test_acc']:.4f} "
-          f"| {epochs[0]['seconds']:.2f} | {mean} |")
+    return epochs[0]["seconds"], (sum(later) / len(later) if later else None), epochs[-1]["test_acc"]
+
+
+def figure(value, form="{:.2f}"):
+    return "-" if value is None else form.format(value)
+
+
+lesson = json.loads((out / "lesson-pytorch.json").read_text()) if (out / "lesson-pytorch.json").exists() else None
+lesson_s = min(lesson["seconds"][1:] or lesson["seconds"]) if lesson else None
+summary["lesson_pytorch"] = {"note": lesson_note, "seconds_per_epoch": lesson_s}
+print("```\n\n## jdp train, 1 device\n")
+print("| run | epochs | final test acc | epoch 1 s (compiles) | sec/epoch (mean of the others) | / compute floor "
+      "| lesson's PyTorch / jdp |")
+print("|---|---:|---:|---:|---:|---:|---:|")
+runs = {}
+for name, precision in (("train-float32", "float32"), ("train-bf16", "bf16"), (f"train-{big}-s1", None),
+                        (f"train-{big}-s{big_steps}", None)):
+    first, later, acc = seconds_per_epoch(name)
+    config = json.loads((out / name / "history.json").read_text())["config"]
+    floor = floor_per_image[precision] * images_per_epoch(config) if precision else None
+    vs_floor = later / floor if floor and later else None
+    vs_lesson = lesson_s / later if lesson_s and precision == "float32" and later else None
+    runs[name] = {"first_epoch_s": first, "seconds_per_epoch": later, "test_acc": acc, "floor_seconds": floor,
+                  "vs_floor": vs_floor, "lesson_over_jdp": vs_lesson}
+    print(f"| {name} | {len(json.loads((out / name / 'history.json').read_text())['epochs'])} | {acc:.4f} | "
+          f"{first:.2f} | {figure(later)} | {figure(vs_floor, '{:.2f}x')} | {figure(vs_lesson, '{:.2f}x')} |")
+summary["train"] = runs
+one, several = runs[f"train-{big}-s1"]["seconds_per_epoch"], runs[f"train-{big}-s{big_steps}"]["seconds_per_epoch"]
+if one and several:
+    summary[f"{big}_s1_over_s{big_steps}"] = one / several
+    print(f"\n{big}: 1 step per call / {big_steps}: {one / several:.2f}x (target <= 1.3x)")
+print(f"\nThe lesson's PyTorch code on this GPU: {lesson_note}"
+      + (f", best later epoch {lesson_s:.2f} s" if lesson_s else ""))
+loop = json.loads((out / "bench-loop" / "bench_loop.json").read_text())["results"][0]
+summary["bench_loop"] = {"seconds_per_step": loop["seconds_per_step"], "train_vs_bare": loop["train_vs_bare"]}
+print(f"\n## jdp bench loop ({loop['model']}, 1 device)\n\njdp train {loop['seconds_per_step']['train_s'] * 1e6:.1f} us "
+      f"per step, a bare loop {loop['seconds_per_step']['bare_s'] * 1e6:.1f} us: {loop['train_vs_bare']:.2f}x "
+      f"(target <= {loop['target_train_vs_bare']}x)")
 allreduce = json.loads((out / "bench-allreduce" / "allreduce.json").read_text())
 largest = max(r["size_bytes"] for r in allreduce["results"])
 rows = [r for r in allreduce["results"] if r["size_bytes"] == largest]
@@ -143,6 +215,7 @@ print(f"\n## jdp bench allreduce, {rows[0]['devices']} device(s), {largest} byte
 print("| algorithm | time (us) | algbw (GB/s) | busbw (GB/s) | #wrong |\n|---|---:|---:|---:|---:|")
 for r in rows:
     print(f"| {r['algorithm']} | {r['time_us']:.1f} | {r['algbw_gbps']:.3f} | {r['busbw_gbps']:.3f} | {r['wrong']} |")
-print("\nEvery size: `bench-allreduce.log`, `bench-allreduce/allreduce.json`.")
+print("\nEvery size: `bench-allreduce.log`, `bench-allreduce/allreduce.json`. The key figures: `summary.json`.")
+(out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 EOF
 echo "wrote $OUT/SUMMARY.md"

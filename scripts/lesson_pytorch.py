@@ -8,7 +8,9 @@ wheel in its own venv (`pip install torch numpy`) and run
 
     python scripts/lesson_pytorch.py --data-dir ../shared/data/fashion-mnist --epochs 3
 
-It prints images/s per epoch and the best epoch (the figure the baseline records).
+It prints images/s per epoch and the best epoch (the figure the baseline records). With `--device cuda`
+the params live on the GPU and each batch is copied to it from the host, as the lesson's
+`nn.parallel.scatter` does (`scripts/gpu_check.sh` runs it so when torch sees a GPU).
 """
 import argparse
 import gzip
@@ -32,6 +34,7 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--data-dir", required=True, help="folder with the four Fashion-MNIST IDX files (.gz)")
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--batch-size", type=int, default=256)
+parser.add_argument("--device", default="cpu", help="torch device: cpu (the baseline) or cuda (one GPU)")
 parser.add_argument("--out", default=None, help="write the per-epoch figures as JSON to this file")
 args = parser.parse_args()
 d = args.data_dir
@@ -72,7 +75,7 @@ def allreduce(data):
         data[i][:] = data[0].to(data[i].device)
 
 def train_batch(X, y, device_params, devices, lr):
-    X_shards, y_shards = [X], [y]  # nn.parallel.scatter on one CPU device returns the batch itself
+    X_shards, y_shards = [X.to(devices[0])], [y.to(devices[0])]  # nn.parallel.scatter on one device
     ls = [loss(lenet(X_shard, device_W), y_shard).sum()
           for X_shard, y_shard, device_W in zip(X_shards, y_shards, device_params)]
     for l in ls:
@@ -83,22 +86,27 @@ def train_batch(X, y, device_params, devices, lr):
     for param in device_params:
         sgd(param, lr, X.shape[0])
 
-devices = [torch.device("cpu")]
+devices = [torch.device(args.device)]
+synchronize = torch.cuda.synchronize if devices[0].type == "cuda" else lambda: None
 device_params = [get_params(params, d) for d in devices]
 B, epochs = args.batch_size, args.epochs
-print(f"the lesson's PyTorch code: torch {torch.__version__}, {torch.get_num_threads()} threads, batch {B}")
-rates = []
+print(f"the lesson's PyTorch code: torch {torch.__version__}, {torch.get_num_threads()} threads, batch {B}, "
+      f"on {devices[0]}")
+rates, seconds = [], []
 for epoch in range(epochs):
     perm = torch.randperm(len(Y))
     start = time.perf_counter()
     for i in range(0, len(Y), B):
         j = perm[i:i + B]
         train_batch(X[j], Y[j], device_params, devices, 0.2)
+    synchronize()
     s = time.perf_counter() - start
     rates.append(len(Y) / s)
+    seconds.append(s)
     print(f"epoch {epoch + 1}: {s:.2f} s, {len(Y) / s:.0f} images/s", flush=True)
 print(f"best epoch: {max(rates):.0f} images/s")
 if args.out:
     with open(args.out, "w") as f:
         json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "batch_size": B,
-                   "images_per_s": rates, "best_images_per_s": max(rates)}, f, indent=2)
+                   "device": str(devices[0]), "seconds": seconds, "images_per_s": rates,
+                   "best_images_per_s": max(rates)}, f, indent=2)

@@ -23,7 +23,7 @@ import pytest
 from jdp.cli import main as cli
 from jdp.errors import ConfigError, ProcessLostError
 from jdp.runtime import faults, launch
-from jdp.training import checkpoint
+from jdp.training import checkpoint, tally
 from jdp.training.config import TrainConfig, checkpoint_target
 from jdp.training.keeper import Keeper
 from jdp.training.resume import check_resumable, check_same_state
@@ -177,14 +177,17 @@ def keeper(directory, job):
 
 
 def test_a_checkpoint_that_not_every_process_reached_is_not_written(tmp_path):
-    state = (np.ones(3, np.float32), np.zeros(3, np.float32))
+    carry = (np.ones(3, np.float32), np.zeros(3, np.float32), tally.start(2, [0.5], leaves=1))
+    unreached = keeper(tmp_path / "ckpt", Unreached())
+    unreached.start_epoch(device_count=1, leaves=1)
     with pytest.raises(ProcessLostError, match="did not reach step 2"):
-        keeper(tmp_path / "ckpt", Unreached()).after_call(2, state, np.float32(0.5))
+        unreached.after_call(2, carry)
     assert checkpoint.list_checkpoints(tmp_path / "ckpt") == []
     reached = Unreached()
     reached.all_reached = lambda step: None
     saver = keeper(tmp_path / "ckpt", reached)
-    saver.after_call(2, state, np.float32(0.5))
+    saver.start_epoch(device_count=1, leaves=1)
+    saver.after_call(2, carry)
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "ckpt")] == ["checkpoint-000000002.msgpack"]
     assert reached.checkpoint == str(checkpoint.path_for(tmp_path / "ckpt", 2)) and reached.step == 2
 

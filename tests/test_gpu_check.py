@@ -54,9 +54,14 @@ def test_dry_run_writes_every_file(tmp_path):
     assert {r["precision"] for r in bench["results"]} == {"float32", "bf16"}
     for precision in ("float32", "bf16"):
         history = json.loads((out / f"train-{precision}" / "history.json").read_text())
-        assert len(history["epochs"]) == 1
+        assert len(history["epochs"]) == 2
         assert history["config"]["precision"] == precision
         assert (out / f"train-{precision}.log").read_text().startswith(f"== train-{precision}: ")
+    for steps_per_call in (1, 2):  # ResNet-18's runs, with a smaller model on a CPU
+        history = json.loads((out / f"train-lenet_flax-s{steps_per_call}" / "history.json").read_text())
+        assert history["config"]["steps_per_call"] == steps_per_call and len(history["epochs"]) == 2
+    loop = json.loads((out / "bench-loop" / "bench_loop.json").read_text())["results"][0]
+    assert loop["seconds_per_step"]["train_s"] > 0 and loop["train_vs_bare"] > 0
     allreduce = json.loads((out / "bench-allreduce" / "allreduce.json").read_text())
     assert allreduce["results"] and all(r["wrong"] == 0 for r in allreduce["results"])
     for log in ("bench-train.log", "bench-allreduce.log"):
@@ -64,6 +69,10 @@ def test_dry_run_writes_every_file(tmp_path):
 
     summary = (out / "SUMMARY.md").read_text()
     assert "dry run" in summary and "float32" in summary and "bf16" in summary
-    assert "| float32 | synthetic | 1 |" in summary and "| bf16 | synthetic | 1 |" in summary
+    assert "| train-float32 | 2 |" in summary and "| train-bf16 | 2 |" in summary
+    assert "lenet_flax: 1 step per call / 2:" in summary and "jdp bench loop" in summary
+    figures = json.loads((out / "summary.json").read_text())
+    assert figures["dry_run"] and figures["lesson_pytorch"] == {"note": "not run: dry run", "seconds_per_epoch": None}
+    assert figures["train"]["train-float32"]["vs_floor"] > 0 and figures["bench_loop"]["train_vs_bare"] > 0
     assert not (out / "venv").exists() and not (out / "install.log").exists()
     assert list(tmp_path.iterdir()) == [out]  # nothing written outside $OUT

@@ -16,7 +16,7 @@ from jdp.parallel import allreduce
 from jdp.parallel.inflight import InFlight
 from jdp.parallel.layout import replicate, split_batch
 from jdp.parallel.step import make_train_step
-from jdp.training import checkpoint, guards
+from jdp.training import checkpoint, guards, tally
 from jdp.training.config import TrainConfig, checkpoint_target
 from jdp.training.loop import train
 
@@ -30,32 +30,84 @@ def params_with(name=None, value=None):
     return params
 
 
-def test_finite_flags_pass_finite_values():
-    flags = guards.finite_flags(jnp.asarray(LOSSES), params_with())
-    guards.check_finite(flags, guards.leaf_names(params_with()), step=3, last_good=None)
+def tallied(losses, params, devices, step=0):
+    """A tally after one call that ran `losses.shape[1:]` steps from `step` and left `params` (replicated)."""
+    leaves = len(jax.tree.leaves(params))
+    start = tally.place_tally(tally.start(step, [0.0] * len(devices), leaves), devices, "pmap")
+    return tally.read_local(tally.make_fold(devices, "pmap")(start, replicate(params, devices), jnp.asarray(losses)))
 
 
-def test_non_finite_loss_names_the_step_and_the_checkpoint(tmp_path):
-    flags = guards.finite_flags(jnp.asarray([1.0, np.nan]), params_with())
+def test_finite_values_pass(devices):
+    guards.check_finite(tallied(LOSSES[:2], params_with(), devices[:2]), guards.leaf_names(params_with()), None)
+
+
+def test_non_finite_loss_names_the_step_and_the_checkpoint(tmp_path, devices):
+    found = tallied([1.0, np.nan], params_with(), devices[:2], step=6)
     with pytest.raises(TrainingError, match=r"Stopped at step 7: the loss is not finite .* last good checkpoint .* is "
                                             r".*ckpt.*`resume=True`"):
-        guards.check_finite(flags, guards.leaf_names(params_with()), step=7, last_good=tmp_path / "ckpt")
+        guards.check_finite(found, guards.leaf_names(params_with()), last_good=tmp_path / "ckpt")
 
 
 @pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
-def test_non_finite_params_name_the_leaf(value):
+def test_non_finite_params_name_the_leaf(value, devices):
     params = params_with("W3", value)
-    flags = guards.finite_flags(jnp.asarray(LOSSES), params)
     with pytest.raises(TrainingError, match=r"step 2: its update made the parameters \['W3'\] non-finite.*"
                                             r"No checkpoint was saved"):
-        guards.check_finite(flags, guards.leaf_names(params), step=2, last_good=None)
+        guards.check_finite(tallied(LOSSES[:2], params, devices[:2], step=1), guards.leaf_names(params), None)
 
 
-def test_finite_flags_read_replicated_arrays(devices):
-    """The flags are computed where the (k, ...) replicas live, whatever their sharding."""
-    params = replicate(params_with("b2", np.nan), devices)
-    flags = guards.finite_flags(replicate(np.float32(1.0), devices), params)
-    assert [bool(np.asarray(f).all()) for f in flags] == [True] + [name != "b2" for name in sorted(lenet.SHAPES)]
+def test_a_call_of_several_steps_is_named_by_its_range(devices):
+    losses = np.ones((2, 4), np.float32)
+    losses[1, 2] = np.nan
+    with pytest.raises(TrainingError, match=r"Stopped at steps 9–12 \(one compiled call\): the loss is not finite"):
+        guards.check_finite(tallied(losses, params_with(), devices[:2], step=8), guards.leaf_names(params_with()), None)
+
+
+def test_the_tally_keeps_the_first_non_finite_call(devices):
+    """Later calls (finite again, or non-finite elsewhere) do not hide where it went wrong first."""
+    devices = devices[:2]
+    fold, params = tally.make_fold(devices, "pmap"), params_with()
+    counted = tally.place_tally(tally.start(0, [0.0, 0.0], len(params)), devices, "pmap")
+    for losses, bad_leaf in (([1.0, 1.0], None), ([1.0, 1.0], "b2"), ([np.nan, 1.0], "W3"), ([1.0, 1.0], None)):
+        counted = fold(counted, replicate(params_with(bad_leaf, np.nan), devices), jnp.asarray(losses))
+    host = tally.read_local(counted)
+    np.testing.assert_array_equal(host.step, [4, 4])
+    np.testing.assert_array_equal(host.bad_from, [2, 2])
+    np.testing.assert_allclose(host.loss, [np.nan, 4.0])
+    with pytest.raises(TrainingError, match=r"step 2: its update made the parameters \['b2'\] non-finite"):
+        guards.check_finite(host, guards.leaf_names(params), None)
+
+
+def watched(devices, nan_at, steps=40, **options):
+    """A Watch over `steps` one-step calls, step `nan_at`'s loss NaN: (the watch, the step it raised at or None)."""
+    params = params_with()
+    fold, placed = tally.make_fold(devices, "pmap"), replicate(params, devices)
+    now = [0.0]
+    watch = guards.Watch(params, read=guards.Cadence(**options, clock=lambda: now[0]))
+    counted = tally.place_tally(tally.start(0, [0.0, 0.0], len(params)), devices, "pmap")
+    for step in range(1, steps + 1):
+        now[0] += 0.25 if step <= 20 else 1.0  # 4 steps a second, then one a second
+        counted = fold(counted, placed, jnp.asarray([np.nan, 1.0] if step == nan_at else [1.0, 1.0]))
+        try:
+            watch.after_call(step, step, placed, None, counted)
+        except TrainingError as e:
+            assert f"Stopped at step {nan_at}:" in str(e)
+            return watch, step
+    return watch, None
+
+
+def test_the_watch_reads_a_tally_rarely_lagged_and_always_when_flushed(devices):
+    """At most one read per `every_steps` steps and `every_seconds` seconds, of the tally `lag` calls old: reads
+    after steps 8 (tally of step 6), 14 (12: 8 steps on, and 1 s after the last read), 20, 26, 32 and 38."""
+    options = {"every_steps": 8, "every_seconds": 1.0, "lag": 2}
+    watch, raised_at = watched(devices[:2], nan_at=37, **options)
+    assert watch.reads == 6 and raised_at is None  # step 37's NaN is in no tally read yet
+    with pytest.raises(TrainingError, match="Stopped at step 37"):
+        watch.flush()
+    assert watch.reads == 7
+    assert watched(devices[:2], nan_at=11, **options)[1] == 14  # read at step 14 with step 12's tally
+    watch, raised_at = watched(devices[:2], nan_at=99, every_steps=1000, every_seconds=1e9)
+    assert watch.reads == 0 and raised_at is None
 
 
 def test_identical_replicas_pass(devices):

@@ -41,6 +41,7 @@ from jdp.parallel.step import make_train_step
 from jdp.runtime.machine_kind import this_kind
 from jdp.training.feeders import make_epoch_runner
 from jdp.training.formulation import read_cache, resolve
+from jdp.training.tally import place_tally, start
 
 FULL_EPOCH_IMAGES = 60_000  # Fashion-MNIST's training set: sec/epoch is extrapolated to it
 TARGETS = {"max_overhead_1_2_devices": 1.10, "min_images_per_s_1_device": 3300.0, "max_k_vs_1_device": 1.3}
@@ -127,13 +128,14 @@ def prepare(
     x, y = split_batch(part.images[:batch_size], part.labels[:batch_size], devices)
     params = lenet.init(jax.random.key(0))
     state = replicate(params, devices), replicate(optimizer.init(params), devices)
+    tally = place_tally(start(0, [0.0] * len(devices), len(jax.tree.leaves(params))), devices, "pmap")
 
     def floor(state, count):
         return repeat_step(step, state, x, y, count)
 
     def epoch(state, seed):
-        state, _ = run_epoch(state, jax.random.key(seed), lambda calls, total: calls)
-        return jax.block_until_ready(state)
+        (*state, _), _ = run_epoch((*state, tally), jax.random.key(seed), lambda calls, total: calls)
+        return jax.block_until_ready(tuple(state))
 
     state = epoch(floor(state, 2), 0)  # compile both
 

@@ -136,10 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side in one run")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    from jdp.bench import allreduce, formulations, memory, step
+    from jdp.bench import allreduce, formulations, loop, memory, step
     from jdp.bench import train as train_bench
 
-    for module in (allreduce, step, train_bench, memory, formulations):  # each benchmark adds its own subcommand
+    for module in (allreduce, step, train_bench, loop, memory, formulations):  # each benchmark adds its own subcommand
         module.add_parser(benchmarks)
 
     from jdp.bench import predict

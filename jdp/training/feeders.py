@@ -5,9 +5,12 @@ the training set fits, one copy of it lives on every device for the whole run (F
 188 MB as float32); each epoch the permutation is drawn ON the devices from the epoch's key, and
 each step every device gathers its own rows of the batch from its copy. Nothing crosses host →
 device per step; the only host syncs are the bounded in-flight window (`jdp.parallel.inflight`). With
-`steps_per_call` S > 1 one compiled call runs S steps, so Python dispatches once per S steps. The
-S steps are unrolled in the program, not a `lax.scan`: XLA's CPU backend runs the convolutions
-inside a while loop many times slower than outside one (docs/performance.md).
+`steps_per_call` S > 1 one compiled call runs S steps, so Python dispatches once per S steps. On a
+CPU the S steps are unrolled in the program: XLA's CPU backend runs the convolutions inside a while
+loop many times slower than outside one (docs/performance.md). Elsewhere (a GPU) they are a
+`lax.scan`, whose compile time does not grow with S. Each call also folds its losses and a finite
+check into the run's tally on the devices (`jdp.training.tally`), in the same compiled call where it can:
+nothing is read back per step.
 
 When the set does not fit, or the step is mapped with `shard_map` or spans several processes,
 batches are copied from the host one call ahead of the call that uses them (double buffering):
@@ -19,7 +22,7 @@ the last partial batch dropped, device i receiving rows [i·B/k, (i+1)·B/k) of 
 
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,18 +32,27 @@ from jax import lax
 from jdp.data import Split
 from jdp.errors import ConfigError, check_positive
 from jdp.parallel.inflight import InFlight
-from jdp.parallel.layout import Backend, map_over_devices, place_step_batches, process_rows, replicate, split_batch
+from jdp.parallel.layout import (
+    Backend,
+    Kinds,
+    map_over_devices,
+    place_step_batches,
+    process_rows,
+    replicate,
+    split_batch,
+)
 from jdp.parallel.step import TrainStep
 from jdp.runtime.devices import AXIS
+from jdp.training.tally import Fold, Tally, make_fold
 
 PyTree = Any
-State = tuple[PyTree, PyTree]  # (params, opt_state), both replicated
+Carry = tuple[PyTree, PyTree, Tally]  # (params, opt_state, tally) on the devices
 Progress = Callable[[Iterable, int], Iterable]
-# after_call(steps, state, losses): called after each compiled call of `steps` steps (e.g. guards, checkpoints)
-AfterCall = Callable[[int, State, jax.Array], None]
-# run_epoch(state, key, progress, start=0, after_call=None) -> (state, losses): losses a list of arrays whose sum is
-# the summed loss of the epoch's steps from `start` on
-EpochRunner = Callable[..., tuple[State, list[jax.Array]]]
+# after_call(steps, carry): called after each compiled call of `steps` steps is dispatched (guards, checkpoints)
+AfterCall = Callable[[int, Carry], None]
+# run_epoch(carry, key, progress, start=0, after_call=None) -> (carry, losses): losses the per-device losses of
+# each call, (k,) or (k, S), still on the devices
+EpochRunner = Callable[..., tuple[Carry, list[jax.Array]]]
 
 
 def epoch_batches(
@@ -51,11 +63,16 @@ def epoch_batches(
     The first `skip` batches are left out (a run resumed mid-epoch has trained on them). Only the
     `rows` of each batch are gathered (a process's share, `process_rows`); the permutation drawn
     from `key` is the same on every process.
+    The permutation is drawn and read here, before the first batch is asked for (outside the loop's steps).
     """
     order = np.asarray(jax.random.permutation(key, len(split.labels)))
-    for start in range(skip * batch_size, len(order) - batch_size + 1, batch_size):
-        idx = order[start:start + batch_size][rows]
-        yield split.images[idx], split.labels[idx]
+
+    def batches() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for start in range(skip * batch_size, len(order) - batch_size + 1, batch_size):
+            idx = order[start:start + batch_size][rows]
+            yield split.images[idx], split.labels[idx]
+
+    return batches()
 
 
 def fits_on_devices(split: Split, devices: Sequence[jax.Device], fraction: float = 0.25) -> bool:
@@ -82,6 +99,7 @@ def make_epoch_runner(
     steps_per_call: int = 1,
     traceable: bool = True,
     resident: bool | None = None,
+    params_kind: Kinds = "replicated",
 ) -> EpochRunner:
     """Builds `run_epoch(state, key, progress)`, which trains one epoch over `split`.
 
@@ -96,13 +114,15 @@ def make_epoch_runner(
         otherwise every step is its own call.
       resident: keep the training set on the devices (`pmap` in one process only); None: if it
         `fits_on_devices` there, else copy batches from the host.
+      params_kind: the layout kind of the params the step returns ("per_device" for a local sync mode).
 
     Returns:
-      run_epoch(state, key, progress, start=0, after_call=None) -> (state, losses). `state` is
-      donated. `key` draws the epoch's permutation; `progress(iterable, total)` wraps the calls
-      (e.g. a progress bar). The epoch starts at batch `start` (a multiple of `steps_per_call`,
-      so the calls are those of an uninterrupted epoch); `after_call(steps, state, losses)` is called
-      after each call's dispatch. The summed loss of the steps run is the sum of all elements of `losses`.
+      run_epoch(carry, key, progress, start=0, after_call=None) -> (carry, losses). `carry` is
+      (params, opt_state, tally); params and opt_state are donated. `key` draws the epoch's permutation;
+      `progress(iterable, total)` wraps the calls (e.g. a progress bar). The epoch starts at batch `start`
+      (a multiple of `steps_per_call`, so the calls are those of an uninterrupted epoch);
+      `after_call(steps, carry)` is called after each call's dispatch. `losses`: each call's per-device
+      losses on the devices, (k,) or (k, S); the tally holds their sums.
 
     Raises:
       ConfigError: for settings the feeders cannot run (named by their flags).
@@ -129,12 +149,48 @@ def make_epoch_runner(
 
     if resident is None:
         resident = single_pmap and fits_on_devices(split, devices)
+    parts = Parts(step, make_fold(devices, backend, params_kind), unrolled=devices[0].platform == "cpu")
     if resident:
-        return _resident_runner(step, split, devices, batch_size, calls, traceable)
-    return _host_runner(step, split, devices, batch_size, backend, calls, steps_per_call > 1)
+        return _resident_runner(parts, split, devices, batch_size, calls, traceable)
+    return _host_runner(parts, split, devices, batch_size, backend, calls, steps_per_call > 1)
 
 
-def _resident_runner(step, split, devices, batch_size, calls, traceable) -> EpochRunner:
+class Parts(NamedTuple):
+    """What one compiled call is made of: the train step, the tally's fold, and how S steps are repeated."""
+
+    step: TrainStep
+    fold: Fold
+    unrolled: bool  # repeat S steps unrolled (CPU) or as a `lax.scan` (elsewhere)
+
+    def steps(self, carry: Carry, xs: Any, length: int, fetch: Callable | None = None) -> tuple[Carry, jax.Array]:
+        """`length` train steps and the fold, traced: over the leading axis of `xs`, or, with `fetch`,
+        `fetch(t) -> (x, y, t)` from a batch index carried in `xs`. Returns the carry and the losses (k, S)."""
+
+        def body(inner, batch):
+            params, opt_state, t = inner
+            if fetch is None:
+                x, y = batch
+            else:
+                x, y, t = fetch(t)
+            params, opt_state, loss = self.step(params, opt_state, x, y)
+            return (params, opt_state, t), loss
+
+        params, opt_state, tally = carry
+        t = xs if fetch is not None else None
+        if self.unrolled:  # see the module docstring
+            inner, losses = (params, opt_state, t), []
+            for i in range(length):
+                inner, loss = body(inner, None if fetch is not None else jax.tree.map(lambda x: x[i], xs))
+                losses.append(loss)
+            losses = jnp.stack(losses, axis=1)
+        else:
+            inner, losses = lax.scan(body, (params, opt_state, t), None if fetch is not None else xs, length=length)
+            losses = jnp.moveaxis(losses, 0, 1)
+        params, opt_state, t = inner
+        return (params, opt_state, self.fold(tally, params, losses), t), losses
+
+
+def _resident_runner(parts, split, devices, batch_size, calls, traceable) -> EpochRunner:
     n, local = len(split.labels), batch_size // len(devices)
     images, labels = replicate(split.images, devices), replicate(split.labels, devices)  # once per run
 
@@ -150,89 +206,93 @@ def _resident_runner(step, split, devices, batch_size, calls, traceable) -> Epoc
     p_order = map_over_devices(local_order, devices, "pmap", everywhere[:1], everywhere[:2])
     p_fetch = map_over_devices(local_fetch, devices, "pmap", everywhere, ("batch", "batch", "replicated"))
 
-    def chunk(params, opt_state, images, labels, order, t, *, length):
-        losses = []
-        for _ in range(length):  # unrolled on purpose, see the module docstring
-            x, y, t = p_fetch(images, labels, order, t)
-            params, opt_state, loss = step(params, opt_state, x, y)
-            losses.append(loss)
-        return params, opt_state, t, jnp.stack(losses)
+    def chunk(state, tally, images, labels, order, t, *, length):  # the tally is not donated: the guards read old ones
+        (params, opt_state, tally, t), losses = parts.steps(
+            (*state, tally), t, length, fetch=lambda t: p_fetch(images, labels, order, t))
+        return params, opt_state, tally, t, losses
 
-    p_chunk = jax.jit(chunk, static_argnames="length", donate_argnums=(0, 1))
+    p_chunk = jax.jit(chunk, static_argnames="length", donate_argnums=0)
 
-    def run_epoch(state: State, key: jax.Array, progress: Progress, start: int = 0,
-                  after_call: AfterCall | None = None) -> tuple[State, list[jax.Array]]:
+    def run_epoch(carry: Carry, key: jax.Array, progress: Progress, start: int = 0,
+                  after_call: AfterCall | None = None) -> tuple[Carry, list[jax.Array]]:
         order, t = p_order(replicate(jax.random.key_data(key), devices))
         position = {"t": t + start}  # the next batch's index, on the devices
 
-        def run_call(params, opt_state, length):
-            t = position["t"]
+        def run_call(carry, length):
+            params, opt_state, tally = carry
             if traceable:
-                params, opt_state, position["t"], loss = p_chunk(params, opt_state, images, labels, order, t,
-                                                                 length=length)
+                params, opt_state, tally, position["t"], loss = p_chunk(
+                    (params, opt_state), tally, images, labels, order, position["t"], length=length)
             else:
-                x, y, position["t"] = p_fetch(images, labels, order, t)
-                params, opt_state, loss = step(params, opt_state, x, y)
-            return params, opt_state, loss
+                x, y, position["t"] = p_fetch(images, labels, order, position["t"])
+                params, opt_state, loss = parts.step(params, opt_state, x, y)
+                tally = parts.fold(tally, params, loss)
+            return (params, opt_state, tally), loss
 
         calls_left = calls(start)
-        return _run_calls(state, progress(calls_left, len(calls_left)), run_call, after_call)
+        return _run_calls(carry, progress(calls_left, len(calls_left)), run_call, after_call)
 
     return run_epoch
 
 
-def _host_runner(step, split, devices, batch_size, backend, calls, chunked) -> EpochRunner:
+def _host_runner(parts, split, devices, batch_size, backend, calls, chunked) -> EpochRunner:
     k = len(devices)
     rows = process_rows(batch_size, devices)  # this process's share of every batch
 
-    def chunk(params, opt_state, xs, ys):
-        losses = []
-        for x, y in zip(xs, ys):  # unrolled on purpose, see the module docstring
-            params, opt_state, loss = step(params, opt_state, x, y)
-            losses.append(loss)
-        return params, opt_state, jnp.stack(losses)
+    def chunk(state, tally, xs, ys):
+        (params, opt_state, tally, _), losses = parts.steps((*state, tally), (xs, ys), len(xs))
+        return params, opt_state, tally, losses
 
-    p_chunk = jax.jit(chunk, donate_argnums=(0, 1))
+    p_chunk = jax.jit(chunk, donate_argnums=0)
 
     def placed(key: jax.Array, start: int) -> Iterator[tuple[int, jax.Array, jax.Array]]:
         batches = epoch_batches(split, batch_size, key, skip=start, rows=rows)
-        for length in calls(start):
-            group = [next(batches) for _ in range(length)]
-            if not chunked:
-                yield 1, *split_batch(*group[0], devices, backend)
-                continue
-            xs = np.stack([x for x, _ in group]).reshape(length, k, batch_size // k, *split.images.shape[1:])
-            ys = np.stack([y for _, y in group]).reshape(length, k, batch_size // k)
-            yield length, place_step_batches(xs, devices), place_step_batches(ys, devices)
 
-    def run_epoch(state: State, key: jax.Array, progress: Progress, start: int = 0,
-                  after_call: AfterCall | None = None) -> tuple[State, list[jax.Array]]:
-        def run_call(params, opt_state, call):
+        def calls_of_batches() -> Iterator[tuple[int, jax.Array, jax.Array]]:
+            for length in calls(start):
+                group = [next(batches) for _ in range(length)]
+                if not chunked:
+                    yield 1, *split_batch(*group[0], devices, backend)
+                    continue
+                xs = np.stack([x for x, _ in group]).reshape(length, k, batch_size // k, *split.images.shape[1:])
+                ys = np.stack([y for _, y in group]).reshape(length, k, batch_size // k)
+                yield length, place_step_batches(xs, devices), place_step_batches(ys, devices)
+
+        return calls_of_batches()
+
+    def run_epoch(carry: Carry, key: jax.Array, progress: Progress, start: int = 0,
+                  after_call: AfterCall | None = None) -> tuple[Carry, list[jax.Array]]:
+        def run_call(carry, call):
             _, xs, ys = call
-            return (p_chunk if chunked else step)(params, opt_state, xs, ys)
+            params, opt_state, tally = carry
+            if chunked:
+                *carry, loss = p_chunk((params, opt_state), tally, xs, ys)
+                return tuple(carry), loss
+            params, opt_state, loss = parts.step(params, opt_state, xs, ys)
+            return (params, opt_state, parts.fold(tally, params, loss)), loss
 
         work = progress(_one_ahead(placed(key, start)), len(calls(start)))
-        return _run_calls(state, work, run_call, after_call, steps=lambda call: call[0])
+        return _run_calls(carry, work, run_call, after_call, steps=lambda call: call[0])
 
     return run_epoch
 
 
-def _run_calls(state: State, work: Iterable[Any], run_call: Callable[..., tuple[PyTree, PyTree, jax.Array]],
+def _run_calls(carry: Carry, work: Iterable[Any], run_call: Callable[[Carry, Any], tuple[Carry, jax.Array]],
                after_call: AfterCall | None, steps: Callable[[Any], int] = lambda length: length
-               ) -> tuple[State, list[jax.Array]]:
-    """The loop both runners share: one compiled call per item of `work`, at most 2 in flight.
+               ) -> tuple[Carry, list[jax.Array]]:
+    """The loop both runners share: one compiled call per item of `work`, at most 2 in flight, nothing read back.
 
-    `run_call(params, opt_state, item) -> (params, opt_state, losses)`; `steps(item)`: how many steps it ran.
+    `run_call(carry, item) -> (carry, losses)`; `steps(item)`: how many steps it ran.
     """
-    (params, opt_state), window, losses = state, InFlight(limit=2), []
+    window, losses = InFlight(limit=2), []
     for item in work:
-        params, opt_state, loss = run_call(params, opt_state, item)
+        carry, loss = run_call(carry, item)
         window.push(loss)
         losses.append(loss)
         if after_call is not None:
-            after_call(steps(item), (params, opt_state), loss)
+            after_call(steps(item), carry)
     window.drain()
-    return (params, opt_state), losses
+    return carry, losses
 
 
 def _one_ahead(items: Iterable[Any]) -> Iterator[Any]:

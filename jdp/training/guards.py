@@ -1,8 +1,9 @@
 """Guards that stop a run whose numbers went wrong, before it wastes hours or saves garbage.
 
 * Non-finite values: a NaN or inf loss, or parameters an update made non-finite (non-finite
-  gradients, or an update so large it overflowed) end the run at the step where they appear,
-  naming that step and the last good checkpoint to resume from.
+  gradients, or an update so large it overflowed) end the run, naming the step where they
+  appeared and the last good checkpoint to resume from. The check runs on the devices inside the
+  training call (`jdp.training.tally`) and is read back rarely, so it never stalls the loop.
 * Replica divergence: data parallelism is correct only while every device holds bit-identical
   params and optimizer state; an allreduce that leaves slightly different sums on different
   devices lets the replicas drift apart silently. `check_replicas` compares every device's copy.
@@ -11,47 +12,19 @@ Both work on whatever layout the step keeps its arrays in (a leading device axis
 replicated `P()` under `shard_map`): they only look at each array's addressable shards.
 """
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jdp.errors import TrainingError
+from jdp.training.tally import Tally, read_local
 
 PyTree = Any
-
-
-@jax.jit
-def finite_flags(loss: jax.Array, params: PyTree) -> list[jax.Array]:
-    """Whether the loss and each leaf of `params` are finite, computed on the devices.
-
-    Each array is reduced over all but its leading axis, never across it: under `pmap` that axis is
-    the device axis, so no device waits for another (a cross-device reduction would be a collective,
-    dispatched ahead of the host outside the loop's bounded window, `jdp.parallel.inflight`).
-
-    Params after step t are finite exactly when step t's gradients were finite and its update did
-    not overflow, so checking them checks the gradients without taking them out of the step.
-
-    Returns:
-      [loss flags, then one flag vector per leaf of `params` in `jax.tree.leaves` order].
-    """
-
-    def rows(x: jax.Array) -> jax.Array:
-        finite = jnp.isfinite(x)
-        return finite.reshape(x.shape[0], -1).all(axis=1) if x.ndim else finite
-
-    return [rows(loss)] + [rows(x) for x in jax.tree.leaves(params)]
-
-
-def _all_true(flags: jax.Array | np.ndarray) -> bool:
-    """Reads this process's shards of `flags` (no collective)."""
-    if isinstance(flags, jax.Array):
-        return all(bool(np.asarray(s.data).all()) for s in flags.addressable_shards)
-    return bool(np.asarray(flags).all())
 
 
 def leaf_names(tree: PyTree) -> list[str]:
@@ -59,30 +32,33 @@ def leaf_names(tree: PyTree) -> list[str]:
     return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def check_finite(flags: Sequence[jax.Array], names: Sequence[str], step: int | str, last_good: Path | None) -> None:
-    """Raises TrainingError unless `flags` (from `finite_flags`) are all true.
+def check_finite(tally: Tally, names: Sequence[str], last_good: Path | None) -> None:
+    """Raises TrainingError if `tally` (a host copy, `jdp.training.tally.read_local`) saw a non-finite value.
+
+    Params after step t are finite exactly when step t's gradients were finite and its update did
+    not overflow, so the tally's check of the params checks the gradients without taking them out of the step.
 
     Args:
-      flags: `finite_flags(loss, params)` of step `step`.
+      tally: this process's rows of the run's tally.
       names: `leaf_names(params)`.
-      step: the step (1-based, counted over the whole run) whose loss and update were checked, or a
-        range "9–12" of steps run by one compiled call.
       last_good: the newest checkpoint saved, or None if there is none.
     """
-    ok = [_all_true(f) for f in flags]
-    if all(ok):
+    bad = np.flatnonzero(tally.bad_to > 0)
+    if not len(bad):
         return
-    if not ok[0]:
+    row = bad[np.argmin(tally.bad_from[bad])]  # the device that saw it first
+    first, last, finite = int(tally.bad_from[row]), int(tally.bad_to[row]), tally.finite[row]
+    if not finite[0]:
         what = "the loss is not finite (NaN or inf)"
     else:
-        bad = [name for name, fine in zip(names, ok[1:]) if not fine]
-        what = (f"its update made the parameters {', '.join(bad)} non-finite (non-finite gradients, "
+        leaves = [name for name, fine in zip(names, finite[1:]) if not fine]
+        what = (f"its update made the parameters {', '.join(leaves)} non-finite (non-finite gradients, "
                 "or an update too large)")
     where = (f"The last good checkpoint (all values finite) is {last_good}: lower `lr` and rerun, "
              "or continue from it with `resume=True`."
              if last_good is not None else
              "No checkpoint was saved before it: lower `lr` and rerun (with `checkpoint_dir` to keep some).")
-    at = f"step {step}" if isinstance(step, int) else f"steps {step} (one compiled call)"
+    at = f"step {last}" if first == last else f"steps {first}–{last} (one compiled call)"
     raise TrainingError(f"Stopped at {at}: {what}. {where}")
 
 
@@ -120,18 +96,28 @@ def check_replicas(tree: PyTree, step: int) -> None:
         )
 
 
+class Cadence(NamedTuple):
+    """How often `Watch` reads the run's tally: at most once per `every_steps` steps and `every_seconds`
+    seconds (both must have passed), the tally of `lag` calls back; `clock` gives the seconds."""
+
+    every_steps: int = 64
+    every_seconds: float = 1.0
+    lag: int = 2
+    clock: Callable[[], float] = time.monotonic
+
+
 class Watch:
     """Both guards, run by the training loop after every compiled call of the train step.
 
-    The finite check of a call is dispatched right after it and read `lag` calls later, when the
-    loop's window of in-flight steps has already waited for that call: the check never makes the
-    host wait for the devices. `flush` reads every pending check (the loop calls it before saving a
-    checkpoint, so no checkpoint ever holds a non-finite value).
+    Every call folds its finite check into the run's tally on the devices (`jdp.training.tally`); the
+    watch reads a tally rarely (`Cadence`), the one of `lag` calls ago, which the loop's window of
+    in-flight calls has already waited for: reading never makes the host wait for the devices. `flush` reads the newest tally (the loop calls it before saving
+    a checkpoint and at the end of each epoch, so no checkpoint ever holds a non-finite value).
 
     Args:
       params: the params (any layout), for the leaf names in messages.
       check_replicas: compare all replicas every this many steps; None: never.
-      lag: how many calls a finite check may stay unread.
+      read: how often to read a tally.
       same: params -> the part of them every device must hold identically (default: all of them).
       same_opt_state: the same for the optimizer state (a sharded one holds a different slice on
         each device: only its scalars, such as AdamW's step count, are compared).
@@ -139,37 +125,44 @@ class Watch:
         params are only at syncs); a due check waits for the next such step.
     """
 
-    def __init__(self, params: PyTree, check_replicas: int | None = None, lag: int = 2,
+    def __init__(self, params: PyTree, check_replicas: int | None = None, *, read: Cadence = Cadence(),
                  same: Callable[[PyTree], PyTree] = lambda params: params,
                  same_opt_state: Callable[[PyTree], PyTree] = lambda opt_state: opt_state,
                  comparable: Callable[[int], bool] = lambda step: True) -> None:
         self._names = leaf_names(params)
         self._same, self._same_opt_state, self._comparable = same, same_opt_state, comparable
-        self._every = check_replicas
-        self._lag = lag
-        self._pending: deque[tuple[int, int, list[jax.Array]]] = deque()
+        self._every, self._cadence = check_replicas, read
+        self._recent: deque[Tally] = deque(maxlen=read.lag + 1)
+        self._read_step, self._read_time = 0, read.clock()
         self._replicas_checked_at = 0
+        self.reads = 0  # tallies read so far
         self.last_good: Path | None = None  # the newest checkpoint saved; set by whoever saves it
 
-    def after_call(self, first: int, last: int, params: PyTree, opt_state: PyTree, loss: jax.Array) -> None:
-        """Checks the call that ran steps `first`..`last` (1-based, counted over the run).
+    def after_call(self, first: int, last: int, params: PyTree, opt_state: PyTree, tally: Tally) -> None:
+        """Checks after the call that ran steps `first`..`last` (1-based, counted over the run) and left `tally`.
 
         Raises:
           TrainingError: on a non-finite value (of this call or an earlier one), or diverged replicas.
         """
-        self._pending.append((first, last, finite_flags(loss, params)))
-        while len(self._pending) > self._lag:
-            self._check(*self._pending.popleft())
-        due = self._every is not None and last // self._every > self._replicas_checked_at // self._every
-        if due and self._comparable(last):
+        self._recent.append(tally)
+        cadence = self._cadence
+        due = last - self._read_step >= cadence.every_steps and cadence.clock() - self._read_time >= cadence.every_seconds
+        if due and len(self._recent) == self._recent.maxlen:
+            self._read(self._recent[0])
+        replicas_due = self._every is not None and last // self._every > self._replicas_checked_at // self._every
+        if replicas_due and self._comparable(last):
             self.flush()
             check_replicas({"params": self._same(params), "opt_state": self._same_opt_state(opt_state)}, last)
             self._replicas_checked_at = last
 
     def flush(self) -> None:
-        """Reads every pending finite check; raises TrainingError as `after_call`."""
-        while self._pending:
-            self._check(*self._pending.popleft())
+        """Reads the newest tally (waits for its call); raises TrainingError as `after_call`."""
+        if self._recent:
+            self._read(self._recent[-1])
+        self._recent.clear()
 
-    def _check(self, first: int, last: int, flags: list[jax.Array]) -> None:
-        check_finite(flags, self._names, last if first == last else f"{first}–{last}", self.last_good)
+    def _read(self, tally: Tally) -> None:
+        host = read_local(tally)
+        self.reads += 1
+        self._read_step, self._read_time = int(host.step.max()), self._cadence.clock()
+        check_finite(host, self._names, self.last_good)

@@ -8,10 +8,11 @@ import jax
 import numpy as np
 
 from jdp.errors import ConfigError
-from jdp.parallel.layout import to_host
 from jdp.runtime.faults import JobWatch
+from jdp.training import tally
 from jdp.training.checkpoint import path_for, restore_latest, save
 from jdp.training.resume import check_resumable, check_same_state
+from jdp.training.tally import Tally
 
 PyTree = Any
 
@@ -22,8 +23,9 @@ class Keeper:
     """Where a training run is, its guards after every call, and the checkpoints saved of it.
 
     `train` reports each compiled call (`after_call`) and each finished epoch (`end_epoch`). The
-    position (step, epoch, batches of it done) and the epoch's running loss are what a resumed run
-    needs to continue exactly: the loss is summed in float32 in the same order as uninterrupted.
+    position (step, epoch, batches of it done) and each device's running loss of the epoch are what a
+    resumed run needs to continue exactly: the losses are summed on the devices (`jdp.training.tally`)
+    and saved per device, so a resumed run sums them in the same order as an uninterrupted one.
 
     Checkpoints are saved every `every` steps (at the first call boundary at or after each multiple)
     and after the last epoch; without `every`, after every epoch. With several processes, a
@@ -50,7 +52,9 @@ class Keeper:
         self.steps_per_epoch, self.watch, self._host_copy = steps_per_epoch, watch, host_copy
         self.step, self.epoch, self.batches_done = 0, 1, 0
         self.history: list[dict[str, Any]] = []
-        self._loss_sum, self._losses = np.float32(0.0), []
+        self._resumed_loss: list[float] | float = 0.0  # the epoch's loss so far when resumed: per device, or a sum
+        self._start: Tally | None = None  # the host form the epoch started with (`start_epoch`)
+        self._tally: Tally | None = None  # the newest, on the devices
         self._saved_at = 0
 
     def resume(self, target: PyTree, epochs: int) -> PyTree:
@@ -68,7 +72,7 @@ class Keeper:
         notes = check_resumable(found.info["run"], self.run)
         position = found.info["position"]
         self.step, self.epoch, self.batches_done = position["step"], position["epoch"], position["batches_done"]
-        self._loss_sum, self.history = np.float32(position["loss_sum"]), found.info["history"]
+        self._resumed_loss, self.history = position.get("loss_rows", position["loss_sum"]), found.info["history"]
         self._saved_at, self.watch.last_good, self.data_key = self.step, found.path, found.arrays["data_key"]
         self.job.step, self.job.checkpoint = self.step, str(found.path)
         if epochs < self.epoch - (self.batches_done == 0):
@@ -82,27 +86,39 @@ class Keeper:
                  found.path, self.step, self.epoch, self.batches_done, self.steps_per_epoch)
         return found.arrays
 
-    def after_call(self, steps: int, state: tuple[PyTree, PyTree], losses: Any) -> None:
+    def start_epoch(self, device_count: int, leaves: int) -> Tally:
+        """The host form of the tally to start this epoch (or the rest of a resumed one) with."""
+        loss = self._resumed_loss
+        if not isinstance(loss, list) or len(loss) != device_count:  # saved by an older jdp, or on another device count
+            loss = [float(np.sum(loss, dtype=np.float32))] + [0.0] * (device_count - 1)
+        self._resumed_loss, self._tally = 0.0, None
+        self._start = tally.start(self.step, loss, leaves)
+        return self._start
+
+    def after_call(self, steps: int, carry: tuple[PyTree, PyTree, Tally]) -> None:
         """Counts a call of `steps` steps, runs the guards, and saves if a checkpoint is due mid-epoch."""
+        params, opt_state, self._tally = carry
         self.step, self.batches_done = self.step + steps, self.batches_done + steps
-        self._losses.append(losses)
-        self.watch.after_call(self.step - steps + 1, self.step, *state, losses)
+        self.watch.after_call(self.step - steps + 1, self.step, params, opt_state, self._tally)
         self.job.beat(self.step)
         if self.every is not None and self.batches_done < self.steps_per_epoch and self._due():
-            self._save(state)
+            self._save((params, opt_state))
+
+    def device_losses(self) -> np.ndarray:
+        """Each device's summed loss of the current epoch's steps so far (waits for them; a collective with
+        several processes)."""
+        return self._start.loss if self._tally is None else tally.losses_of_all(self._tally)
 
     def epoch_loss(self) -> np.float32:
         """The summed loss of the current epoch's steps so far (waits for them)."""
-        for losses in self._losses:
-            self._loss_sum = self._loss_sum + to_host(losses).sum()
-        self._losses = []
-        return self._loss_sum
+        return np.sum(self.device_losses(), dtype=np.float32)
 
     def end_epoch(self, state: tuple[PyTree, PyTree], record: dict[str, Any], last: bool) -> None:
         """Records a finished epoch; saves if a checkpoint is due or it was the `last`."""
         self.watch.flush()
         self.history.append(record)
-        self.epoch, self.batches_done, self._loss_sum, self._losses = self.epoch + 1, 0, np.float32(0.0), []
+        self.epoch, self.batches_done = self.epoch + 1, 0
+        self._tally, self._start = None, self._start._replace(loss=np.zeros_like(self._start.loss))
         self.job.beat(self.step)
         if self.every is None or last or self._due():
             self._save(state)
@@ -117,9 +133,10 @@ class Keeper:
         params, opt_state = state
         arrays = {"params": self._host_copy(params), "opt_state": self._opt_host_copy(opt_state),
                   "data_key": self.data_key}
+        losses = self.device_losses()
         info = {
             "position": {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,
-                         "loss_sum": float(self.epoch_loss())},
+                         "loss_sum": float(np.sum(losses, dtype=np.float32)), "loss_rows": [float(x) for x in losses]},
             "history": self.history,
             "run": self.run,
         }

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jdp import models
@@ -29,6 +30,7 @@ from jdp.training.keeper import Keeper
 from jdp.training.profile import Profiler, check_window
 from jdp.training.resume import describe_run
 from jdp.training.stragglers import Stopwatch
+from jdp.training.tally import place_tally
 
 PyTree = Any
 
@@ -159,24 +161,27 @@ def train(
         average = map_over_devices(lambda variables: (models.average_state(variables),), devices, config.backend,
                                    ("per_device",), ("per_device",), donate=(0,))
     run_epoch = make_epoch_runner(step, dataset.train, devices, config.batch_size, config.backend,
-                                  steps_per_call=config.steps_per_call,
+                                  steps_per_call=config.steps_per_call, params_kind=sync.params_kind,
                                   traceable=strategy.where == "inside" and not sync.local and stopwatch is None)
     after_call = keeper.after_call
     if profile is not None:
         profile.at(keeper.step, state)
 
-        def after_call(steps, state, losses):
-            keeper.after_call(steps, state, losses)
-            profile.at(keeper.step, state)
+        def after_call(steps, carry):
+            keeper.after_call(steps, carry)
+            profile.at(keeper.step, carry[:2])
 
+    leaves = len(jax.tree.leaves(params))
     try:
         for epoch in range(keeper.epoch, config.epochs + 1):
+            tally = place_tally(keeper.start_epoch(len(devices), leaves), devices, config.backend)
             start = time.perf_counter()
-            state, losses = run_epoch(state, jax.random.fold_in(data_key, epoch), progress,
-                                      start=keeper.batches_done, after_call=after_call)
+            (*state, _), losses = run_epoch((*state, tally), jax.random.fold_in(data_key, epoch), progress,
+                                            start=keeper.batches_done, after_call=after_call)
             seconds = time.perf_counter() - start
+            state = tuple(state)
             if on_steps is not None:
-                per_step = np.concatenate([to_host(loss).reshape(-1, len(devices)).sum(axis=1) for loss in losses])
+                per_step = step_losses(losses)
                 on_steps(keeper.step - len(per_step) + 1, per_step / config.batch_size)
             if model.per_replica_state:
                 state = (average(state[0])[0], state[1])
@@ -197,6 +202,13 @@ def train(
         raise
     finally:
         job.close()
+
+
+def step_losses(losses: list[jax.Array]) -> np.ndarray:
+    """The summed loss of each step, from the per-device losses of each call ((k,) or (k, S)): one read."""
+    if not losses:
+        return np.zeros(0, np.float32)
+    return to_host(jnp.concatenate([loss.reshape(len(loss), -1) for loss in losses], axis=1)).sum(axis=0)
 
 
 def _same_on_every_device(model: models.Model) -> Callable[[PyTree], PyTree]:

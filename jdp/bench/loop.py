@@ -1,0 +1,147 @@
+"""`jdp bench loop`: what `jdp train`'s loop costs the host, with a model whose step takes well under a millisecond.
+
+On a CPU the lesson's LeNet takes tens of milliseconds a step and hides whatever the host does between
+steps; a GPU takes half a millisecond, and there the loop's own work (reading values back, Python per
+step) decides the speed. A tiny MLP on a CPU shows the same thing on any machine. Per round:
+
+(a) train: `jdp.train`'s steady-state seconds per step (an epoch's training loop, after the first epoch);
+(b) bare: a bare Python loop over the same compiled train step on one batch already on the devices,
+    dispatching without waiting and blocking once at the end: the least a loop can cost;
+(c) windowed: (b) with the bounded window of in-flight steps that the loop keeps (`jdp.parallel.inflight`).
+
+Rounds interleave (a), (b) and (c), and each keeps its fastest, so load from other processes biases
+them alike. The figure of merit is train / bare (target <= 1.3).
+"""
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdp import data
+from jdp.bench.machine import machine
+from jdp.errors import check_positive
+from jdp.flags import add_device_flags, check_out_dir, setup_devices
+from jdp.models import Model, summed_cross_entropy
+from jdp.parallel.inflight import repeat_step
+from jdp.parallel.layout import replicate, split_batch
+from jdp.parallel.step import make_train_step
+from jdp.training.config import TrainConfig
+from jdp.training.loop import EpochRecord, train
+
+TARGET = 1.3  # train / bare, seconds per step
+
+
+def tiny_mlp(hidden: int = 32) -> Model:
+    """784 → hidden → 10, ReLU: a step of a few microseconds of compute per image."""
+
+    def init(key: jax.Array) -> dict[str, jax.Array]:
+        k1, k2 = jax.random.split(key)
+        return {"w1": jax.random.normal(k1, (784, hidden)) * 784**-0.5, "b1": jnp.zeros(hidden),
+                "w2": jax.random.normal(k2, (hidden, 10)) * hidden**-0.5, "b2": jnp.zeros(10)}
+
+    def apply(params: dict[str, jax.Array], images: jax.Array) -> jax.Array:
+        hidden_out = jax.nn.relu(images.reshape(len(images), -1) @ params["w1"] + params["b1"])
+        return hidden_out @ params["w2"] + params["b2"]
+
+    return Model(init, summed_cross_entropy(apply), apply, name=f"tiny-mlp-{hidden}")
+
+
+def bench_loop(devices: Sequence[jax.Device], *, batch_size: int = 32, steps: int = 1000, rounds: int = 3,
+               hidden: int = 32) -> dict[str, Any]:
+    """Times (a) `jdp.train` per step, (b) a bare loop and (c) a windowed loop, interleaved; returns the record."""
+    model = tiny_mlp(hidden)
+    dataset = data.synthetic(jax.random.key(0), n_train=steps * batch_size, n_test=len(devices))
+    config = TrainConfig(batch_size=batch_size, lr=0.05, epochs=rounds + 1, model=model)
+    optimizer = config.build_optimizer()
+    step = make_train_step(model.loss, optimizer, "psum", devices)
+    params = model.init(jax.random.key(1))
+    x, y = split_batch(dataset.train.images[:batch_size], dataset.train.labels[:batch_size], devices)
+    state = replicate(params, devices), replicate(optimizer.init(params), devices)
+    times: dict[str, list[float]] = {"train_s": [], "bare_s": [], "windowed_s": []}
+
+    def bare(state: tuple[Any, Any], count: int) -> tuple[Any, Any]:
+        params, opt_state = state
+        for _ in range(count):
+            params, opt_state, _ = step(params, opt_state, x, y)
+        return jax.block_until_ready((params, opt_state))
+
+    def timed(name: str, run: Any) -> None:
+        nonlocal state
+        start = time.perf_counter()
+        state = run(state)
+        times[name].append((time.perf_counter() - start) / steps)
+
+    state = repeat_step(step, bare(state, 2), x, y, 2)  # compile both
+
+    def on_epoch(record: EpochRecord) -> None:  # each epoch after the first is a round
+        if record.epoch > 1:
+            times["train_s"].append(record.seconds / steps)
+            timed("bare_s", lambda s: bare(s, steps))
+            timed("windowed_s", lambda s: repeat_step(step, s, x, y, steps))
+
+    train(config, dataset, devices, on_epoch=on_epoch)
+    best = {name: min(values) for name, values in times.items()}
+    return {"model": model.name, "batch_size": batch_size, "steps": steps, "devices": len(devices), "rounds": times,
+            "seconds_per_step": best, "train_vs_bare": best["train_s"] / best["bare_s"],
+            "train_vs_windowed": best["train_s"] / best["windowed_s"], "target_train_vs_bare": TARGET}
+
+
+def format_table(records: Sequence[dict[str, Any]], header: str) -> str:
+    """One line per device count: microseconds per step of each loop, and the ratios."""
+    lines = [header, f"{'devices':>7} {'train us':>9} {'bare us':>8} {'windowed us':>11} {'train/bare':>10} "
+                     f"{'train/windowed':>14}  target train/bare <= {TARGET}"]
+    for r in records:
+        us = {name: seconds * 1e6 for name, seconds in r["seconds_per_step"].items()}
+        met = "met" if r["train_vs_bare"] <= TARGET else "NOT met"
+        lines.append(f"{r['devices']:>7} {us['train_s']:>9.1f} {us['bare_s']:>8.1f} {us['windowed_s']:>11.1f} "
+                     f"{r['train_vs_bare']:>9.2f}x {r['train_vs_windowed']:>13.2f}x  {met}")
+    return "\n".join(lines)
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    """Adds `loop` to the `jdp bench` subcommands."""
+    p = benchmarks.add_parser(
+        "loop", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="time jdp train's loop per step against a bare Python loop, with a tiny MLP (host overhead)",
+        description="With a model whose step takes well under a millisecond, time jdp train's steady-state "
+        "seconds per step against a bare Python loop over the same compiled step, interleaved in one run: "
+        "the host's overhead per step, which a GPU exposes and a CPU's slow steps hide.",
+    )
+    add_device_flags(p)
+    p.add_argument("--batch-size", type=int, default=32, help="global batch, split over the devices")
+    p.add_argument("--steps", type=int, default=1000, help="steps per epoch and per timed loop")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (epochs after the first), fastest kept")
+    p.add_argument("--hidden", type=int, default=32, help="the MLP's hidden width")
+    p.add_argument("--out", default=None, metavar="DIR", help="write bench_loop.json here")
+    p.set_defaults(run=run_loop_bench)
+
+
+def run_loop_bench(args: argparse.Namespace) -> int:
+    for name in ("batch_size", "steps", "rounds", "hidden"):
+        check_positive(name, getattr(args, name))
+    out = check_out_dir(args.out)
+    devices = setup_devices(args)
+    before = machine()
+    counts = sorted({k for k in (1, len(devices)) if args.batch_size % k == 0})
+    records = [bench_loop(devices[:k], batch_size=args.batch_size, steps=args.steps, rounds=args.rounds,
+                          hidden=args.hidden) for k in counts]
+    header = (f"jdp bench loop: {records[0]['model']}, global batch {args.batch_size}, {args.steps} steps per "
+              f"measurement, fastest of {args.rounds} rounds, {devices[0].platform}, "
+              f"load average {' '.join(before['load_average'])}")
+    print(format_table(records, header), flush=True)
+    if out is not None:
+        record = {"benchmark": "loop", "machine": before, "load_average_after": machine()["load_average"],
+                  "device_kind": devices[0].device_kind, "results": records}
+        (out / "bench_loop.json").write_text(json.dumps(record, indent=2, default=_json) + "\n")
+        print(f"wrote {out / 'bench_loop.json'}")
+    return 0
+
+
+def _json(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else str(value)
