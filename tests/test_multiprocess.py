@@ -147,15 +147,17 @@ DRIVER = PREAMBLE + textwrap.dedent("""
 
 
 # The lesson's SGD, and AdamW with 2 micro-batches per device and its state sharded over the 4 devices of 2 processes.
-# AdamW divides by each gradient's magnitude, so where a gradient is near 0 the order of the cross-process sums shows:
-# the float tolerance of tests/test_zero.py (measured: 9 of 25,000 elements differ by > 1e-6 relative, at most 2e-8).
+# AdamW divides by each gradient's magnitude, so where a gradient is near 0 the order of the cross-process sums shows.
+# Measured: on AMD EPYC VMs 9 of 25,000 elements differ by > 1e-6 relative, at most 2e-8; on the Intel Xeon (AMX) VM
+# 9 of W1's 180 elements by up to 8.7e-6 after 6 steps: under 1% of one AdamW step (lr 1e-3), hence atol 2e-5. Losing
+# a process's gradients moves elements by a sizeable part of lr; a doubled sum, which AdamW cannot see, is the sgd case's.
 ZERO = {"optimizer": "adamw", "lr": 1e-3, "accumulate": 2, "shard_optimizer": True}
 # DiLoCo across processes: per-device params and momentum between syncs, θ and the outer momentum synced every 3 steps.
 DILOCO = {"sync": "diloco", "sync_every": 3, "optimizer": "momentum", "lr": 0.05}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("extra", "rtol", "atol"), [({}, 1e-6, 1e-9), (ZERO, 1e-5, 1e-6), (DILOCO, 1e-5, 1e-6)],
+@pytest.mark.parametrize(("extra", "rtol", "atol"), [({}, 1e-6, 1e-9), (ZERO, 1e-5, 2e-5), (DILOCO, 1e-5, 1e-6)],
                          ids=["sgd", "sharded-adamw-accumulate", "diloco"])
 def test_two_processes_end_with_the_params_of_one_process_with_all_devices(extra, rtol, atol, devices, tmp_path):
     """Both backends: 2 processes x 2 devices vs 1 process x 4 devices, the same global batches."""
