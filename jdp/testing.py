@@ -32,10 +32,10 @@ from jdp.parallel.opt_state import init_sharded
 from jdp.parallel.step import make_train_step
 from jdp.parallel.strategy import Allreduce
 from jdp.runtime.devices import AXIS
+from jdp.types import PyTree
 
 __all__ = ["check_allreduce"]
 
-PyTree = Any
 
 MAX_DEFAULT_DEVICES = 8  # the default device counts are 1..min(8, local devices)
 SGD_IMAGES_PER_DEVICE = 4

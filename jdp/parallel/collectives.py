@@ -36,8 +36,8 @@ import numpy as np
 from jax import lax
 
 from jdp.errors import ConfigError
+from jdp.types import PyTree
 
-PyTree = Any
 Groups = tuple[tuple[int, ...], ...]  # device indices on the axis, cut into equal groups; None: one group of all
 
 

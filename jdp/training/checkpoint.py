@@ -25,8 +25,8 @@ import jax
 import numpy as np
 
 from jdp.errors import ConfigError, DataError, check_positive
+from jdp.types import PyTree
 
-PyTree = Any
 
 KEEP = 2  # checkpoints kept: the newest and, should it be damaged later, the one before
 MAGIC = b"jdp-checkpoint v1\n"

@@ -32,8 +32,8 @@ from jdp.parallel.inflight import InFlight
 from jdp.parallel.layout import Backend, map_over_devices, place_step_batches, process_rows, replicate, split_batch
 from jdp.parallel.step import TrainStep
 from jdp.runtime.devices import AXIS
+from jdp.types import PyTree
 
-PyTree = Any
 State = tuple[PyTree, PyTree]  # (params, opt_state), both replicated
 Progress = Callable[[Iterable, int], Iterable]
 # after_call(steps, state, losses): called after each compiled call of `steps` steps (e.g. guards, checkpoints)

@@ -14,15 +14,13 @@ replicated `P()` under `shard_map`): they only look at each array's addressable 
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jdp.errors import TrainingError
-
-PyTree = Any
+from jdp.types import PyTree
 
 
 @jax.jit

@@ -12,8 +12,8 @@ from jdp.parallel.layout import to_host
 from jdp.runtime.faults import JobWatch
 from jdp.training.checkpoint import path_for, restore_latest, save
 from jdp.training.resume import check_resumable, check_same_state
+from jdp.types import PyTree
 
-PyTree = Any
 
 log = logging.getLogger(__name__)
 

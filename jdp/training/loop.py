@@ -9,7 +9,6 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -29,8 +28,7 @@ from jdp.training.keeper import Keeper
 from jdp.training.profile import Profiler, check_window
 from jdp.training.resume import describe_run
 from jdp.training.stragglers import Stopwatch
-
-PyTree = Any
+from jdp.types import PyTree
 
 
 @dataclasses.dataclass(frozen=True)
