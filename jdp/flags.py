@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from jdp.errors import ConfigError, DeviceError, check_positive
+from jdp.parallel.allreduce import names as allreduce_names
 from jdp.parallel.compress import MODES
 from jdp.parallel.layout import BACKENDS
 from jdp.training.optimizers import OPTIMIZERS
@@ -48,7 +49,8 @@ def add_compress_flags(parser: argparse.ArgumentParser) -> None:
     """`--compress` and `--powersgd-rank`: how the allreduce compresses what it sends (jdp.parallel.compress)."""
     parser.add_argument("--compress", default="none", choices=MODES,
                         help="compress the allreduce: cast to bf16/fp16 (sums in that dtype), send bf16/fp16 but add "
-                        "in float32 at each ring hop (-wire, --allreduce ring or hierarchical), or rank-R PowerSGD with error feedback")
+                        f"in float32 at each hop (-wire, --allreduce {' or '.join(allreduce_names(wire=True))}), or rank-R "
+                        "PowerSGD with error feedback")
     parser.add_argument("--powersgd-rank", type=int, default=None, metavar="R",
                         help="with --compress powersgd: the rank of its factors (default 1)")
 
@@ -68,7 +70,7 @@ def add_optimizer_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="ZeRO-2: reduce-scatter the gradients, each device updates its 1/k slice with its "
                         "1/k of the optimizer state, all-gather the params (any --allreduce with those halves: "
-                        "psum, ring, hierarchical, manual, manual_ring, or a plugin's)")
+                        f"{', '.join(allreduce_names(halves=True))}, or a plugin's)")
 
 
 def load_plugins(modules: list[str]) -> None:

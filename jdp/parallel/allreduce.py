@@ -105,11 +105,11 @@ def register(strategy: Allreduce, *, replace: bool = False) -> Allreduce:
     return strategy
 
 
-def names(where: str | None = None, *, halves: bool = False) -> tuple[str, ...]:
+def names(where: str | None = None, *, halves: bool = False, wire: bool = False) -> tuple[str, ...]:
     """The registered strategies' names, built-ins first: those of one `where` if given, those with
-    a reduce-scatter and all-gather if `halves`."""
+    a reduce-scatter and all-gather if `halves`, those with a low-precision wire if `wire`."""
     return tuple(name for name, s in _STRATEGIES.items()
-                 if where in (None, s.where) and (s.has_halves or not halves))
+                 if where in (None, s.where) and (s.has_halves or not halves) and (s.wire is not None or not wire))
 
 
 WRAPPER_NAME = re.compile(  # what a wrapper appends to a name: see `_wrapped`
@@ -186,7 +186,7 @@ def _wrapped(strategy: Allreduce, wrapper: str, name: str) -> Allreduce:
 def _on_wire(strategy: Allreduce, dtype: jnp.dtype, mode: str) -> Allreduce:
     """`strategy.wire(dtype)`, or a ConfigError naming the strategies that have a low-precision wire."""
     if strategy.wire is None:
-        wired = ", ".join(n for n, s in _STRATEGIES.items() if s.wire is not None)
+        wired = ", ".join(names(wire=True))
         raise ConfigError(
             f"`compress={mode}` sends low precision and adds in float32 at each hop of a strategy that can "
             f"(`Allreduce.wire`); use `allreduce={wired}`, or `compress={mode[:4]}` to cast for any strategy."
