@@ -1,10 +1,17 @@
 """docs/architecture.md's recipes run as written: every ```python block, in order, in one namespace."""
 
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import pytest
+
+from jdp.bench.predict import CLUSTERS
+from jdp.cli.main import main
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 BLOCKS = re.findall(r"^### (.+?)$.*?^```python\n(.*?)^```$", DOC.read_text(), re.S | re.M)
@@ -29,3 +36,40 @@ def registry_restored():
     yield
     allreduce._STRATEGIES.clear()
     allreduce._STRATEGIES.update(saved)
+
+
+@pytest.fixture
+def gather_sum_plugin(tmp_path, monkeypatch, registry_restored):
+    """The allreduce recipe saved as the plugin file `gather_sum.py`, importable."""
+    code = dict(BLOCKS)["A new allreduce strategy"]
+    (tmp_path / "gather_sum.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("gather_sum", None)
+
+
+def test_allreduce_recipe_is_exact_and_predicted_by_its_own_cost(gather_sum_plugin, capsys):
+    import gather_sum
+
+    from jdp.testing import check_allreduce
+
+    check_allreduce(gather_sum.strategy, device_counts=(1, 2, 3), sgd_steps=1)  # sums, halves, SGD (and sharded)
+    out = gather_sum_plugin / "p"
+    assert main(["predict", "--plugin", "gather_sum", "--strategies", "gather_sum", "ring", "--grad-bytes", "1e8",
+                 "--compute-ms-per-image", "1", "--network", "pcie4-10gbe", "--devices", "8,64", "--out", str(out)]) == 0
+    assert "skipping" not in capsys.readouterr().out
+    rows = json.loads((out / "predict.json").read_text())["rows"]
+    intra = CLUSTERS["pcie4-10gbe"].intra  # 8 devices: one node, k − 1 messages of N on its PCIe
+    assert rows[0]["strategies"]["gather_sum"]["allreduce_ms"] == pytest.approx(7 * (intra.alpha + 1e8 * intra.beta) * 1e3)
+    assert rows[1]["strategies"]["gather_sum"]["allreduce_ms"] > rows[1]["strategies"]["ring"]["allreduce_ms"]
+
+
+@pytest.mark.slow
+def test_allreduce_recipe_trains_from_the_cli(gather_sum_plugin):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(gather_sum_plugin), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "jdp", "train", "--plugin", "gather_sum", "--allreduce", "gather_sum",
+                           "--shard-optimizer", "--cpu-devices", "2", "--dataset", "synthetic", "--epochs", "1",
+                           "--no-progress", "--check-replicas", "1"], cwd=gather_sum_plugin, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert re.search(r"^test acc: \d\.\d\d, ", done.stdout, re.M), done.stdout

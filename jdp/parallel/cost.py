@@ -102,11 +102,12 @@ class Cost(NamedTuple):
         strategy cannot be priced so: one that needs a grouping (`hierarchical`) without one, or k
         not a whole number of its groups.
       fits: the algorithms whose fitted α, β, γ (`jdp bench allreduce --fit`) price it, in order of
-        preference: its own first (wrappers keep it), then a stand-in where a sweep did not time it.
+        preference: its own first (wrappers keep it), then a stand-in where a sweep did not time it;
+        () for none (then only a cluster preset prices it).
     """
 
     terms: Callable[[int, Sequence[float], int | None], Levels | None]
-    fits: tuple[str, ...]
+    fits: tuple[str, ...] = ()
 
 
 def flat_terms(algorithm: str, k: int, nbytes: float) -> Terms:
