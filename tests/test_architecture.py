@@ -12,9 +12,26 @@ import pytest
 
 from jdp.bench.predict import CLUSTERS
 from jdp.cli.main import main
+from test_imports import LAYERS, ROOT, import_graph
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 BLOCKS = re.findall(r"^### (.+?)$.*?^```python\n(.*?)^```$", DOC.read_text(), re.S | re.M)
+# The layer table: (layer, [modules]) per row, e.g. ("4.2", ["jdp.parallel.collectives", "jdp.parallel.transfers"])
+TABLE = [(layer, re.findall(r"`(jdp[\w.]*)`", modules))
+         for layer, modules in re.findall(r"^\| ([\d.]+) \| (.+?) \|", DOC.read_text(), re.M)]
+
+
+def sublayer_problems(table: list[tuple[str, list[str]]], graph: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """How jdp.parallel's modules break the table's sub-layers 4.0–4.7: a module in no row, or one importing a
+    module of a higher sub-layer."""
+    order = {module: float(layer) for layer, modules in table if layer.startswith("4.") for module in modules}
+    problems = [f"{m} is in no 4.x row of docs/architecture.md's table" for m in sorted(graph)
+                if m.startswith("jdp.parallel.") and m not in order]
+    for module, targets in sorted(graph.items()):
+        for target, line in targets:
+            if module in order and target in order and order[target] > order[module]:
+                problems.append(f"{module}:{line} (layer {order[module]}) imports {target} (layer {order[target]})")
+    return problems
 
 
 def test_every_recipe_has_a_program():
@@ -73,3 +90,23 @@ def test_allreduce_recipe_trains_from_the_cli(gather_sum_plugin):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert re.search(r"^test acc: \d\.\d\d, ", done.stdout, re.M), done.stdout
+
+
+def test_the_table_lists_the_layers_the_import_test_enforces():
+    rows = {int(float(layer)): set() for layer, _ in TABLE}
+    for layer, modules in TABLE:
+        rows[int(float(layer))] |= {"jdp.parallel" if m.startswith("jdp.parallel.") else m for m in modules}
+    assert rows == {layer: set(names) for layer, names in LAYERS if layer in rows}
+
+
+def test_modules_of_jdp_parallel_import_only_their_sublayer_or_lower():
+    _, graph = import_graph(ROOT / "jdp")
+    assert sublayer_problems(TABLE, graph) == []
+
+
+def test_the_sublayer_check_catches_an_import_against_the_order():
+    _, graph = import_graph(ROOT / "jdp")
+    planted = {**graph, "jdp.parallel.cost": [("jdp.parallel.step", 3)], "jdp.parallel.zero": []}
+    assert sublayer_problems(TABLE, planted) == [
+        "jdp.parallel.zero is in no 4.x row of docs/architecture.md's table",
+        "jdp.parallel.cost:3 (layer 4.0) imports jdp.parallel.step (layer 4.7)"]
