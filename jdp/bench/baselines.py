@@ -72,3 +72,9 @@ def ratio(baseline: Baseline | None, devices: int, images_per_s: float) -> float
     if baseline is None or devices not in baseline.float32_images_per_s:
         return None
     return images_per_s / baseline.float32_images_per_s[devices]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BASELINES":  # removed after 0.1.0; see docs/api.md
+        raise AttributeError(f"`jdp.bench.baselines.BASELINES` is now `committed()`, read from experiments/results/{TABLE}.")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -245,3 +245,13 @@ def seconds(levels: dict[str, Terms], intra: Link, inter: Link, gamma: float = 0
             beta = link.beta * max(1.0, t.concurrent / link.ports)
             total += t.messages * link.alpha + t.bytes_sent * beta + t.bytes_reduced * gamma
     return total
+
+
+_MOVED = {"formula": "`jdp.get_allreduce(name).cost`", "terms": "`jdp.get_allreduce(name).cost.terms(k, leaf_bytes, "
+          "per_node)`", **{name: f"`jdp.bench.fit.{name}`" for name in ("nnls", "features", "fit", "predict_us", "fit_all")}}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:  # removed after 0.1.0; see docs/api.md
+        raise AttributeError(f"`jdp.parallel.cost.{name}` is now {_MOVED[name]}: a strategy carries its own cost.")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

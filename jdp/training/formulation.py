@@ -177,3 +177,10 @@ def settle(config: Any, devices: Sequence["jax.Device"], checkpoint_dir: str | o
     else:
         choice = resolve(AUTO, this_kind(devices[0].device_kind), len(devices), read_cache())
     return dataclasses.replace(config, formulation=choice.formulation), choice
+
+
+def __getattr__(name: str) -> Any:
+    if name == "COMMITTED":  # removed after 0.1.0; see docs/api.md
+        raise AttributeError("`jdp.training.formulation.COMMITTED` is now `committed()`, read from "
+                             f"experiments/results/{COMMITTED_TABLE}.")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
