@@ -69,9 +69,9 @@ class Terms:
                      self.bytes_reduced + other.bytes_reduced, self.bytes_total + other.bytes_total,
                      max(self.concurrent, other.concurrent))
 
-    def scaled(self, sent: float = 1.0, reduced: float = 1.0, concurrent: float | None = None) -> "Terms":
-        """The same messages with the bytes sent (and carried in all) × `sent`, the bytes added × `reduced`."""
-        return Terms(self.messages, self.bytes_sent * sent, self.bytes_reduced * reduced, self.bytes_total * sent,
+    def scaled(self, sent: float = 1.0, concurrent: float | None = None) -> "Terms":
+        """The same messages and additions with the bytes sent (and carried in all) × `sent`; `concurrent` if given."""
+        return Terms(self.messages, self.bytes_sent * sent, self.bytes_reduced, self.bytes_total * sent,
                      self.concurrent if concurrent is None else concurrent)
 
 
