@@ -28,7 +28,6 @@ References:
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -36,6 +36,7 @@ from jdp.errors import ConfigError, check_positive
 from jdp.parallel.cost import cast_cost
 from jdp.parallel.strategy import Allreduce
 from jdp.types import PyTree
+
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 MODES = ("none", "bf16", "fp16", "bf16-wire", "fp16-wire", "powersgd")
 

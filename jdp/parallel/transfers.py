@@ -33,7 +33,6 @@ from jdp.parallel.layout import map_over_devices, sharded
 from jdp.types import PyTree
 
 
-
 def manual(tree: PyTree) -> PyTree:
     """The lesson's star allreduce: copy every device's buffer to device 0, add there, copy back.
 

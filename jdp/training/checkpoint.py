@@ -27,7 +27,6 @@ import numpy as np
 from jdp.errors import ConfigError, DataError, check_positive
 from jdp.types import PyTree
 
-
 KEEP = 2  # checkpoints kept: the newest and, should it be damaged later, the one before
 MAGIC = b"jdp-checkpoint v1\n"
 _NAME = re.compile(r"checkpoint-(\d{9})\.msgpack")

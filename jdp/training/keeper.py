@@ -14,7 +14,6 @@ from jdp.training.checkpoint import path_for, restore_latest, save
 from jdp.training.resume import check_resumable, check_same_state
 from jdp.types import PyTree
 
-
 log = logging.getLogger(__name__)
 
 

@@ -31,7 +31,6 @@ import jax
 from jdp.errors import ConfigError
 from jdp.types import PyTree
 
-
 # A collective's instruction is named by its HLO opcode (all-reduce.3) or, in current JAX, by the
 # primitive that made it (psum.7, ppermute.2).
 COLLECTIVE = re.compile(r"^(all[-_]reduce|all[-_]gather|reduce[-_]scatter|collective[-_]permute|all[-_]to[-_]all"
