@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import pytest
 
+from jdp.bench import fit, predict
 from jdp.bench.predict import CLUSTERS
 from jdp.cli.main import main
 from test_imports import LAYERS, ROOT, import_graph
@@ -79,6 +80,12 @@ def test_allreduce_recipe_is_exact_and_predicted_by_its_own_cost(gather_sum_plug
     intra = CLUSTERS["pcie4-10gbe"].intra  # 8 devices: one node, k − 1 messages of N on its PCIe
     assert rows[0]["strategies"]["gather_sum"]["allreduce_ms"] == pytest.approx(7 * (intra.alpha + 1e8 * intra.beta) * 1e3)
     assert rows[1]["strategies"]["gather_sum"]["allreduce_ms"] > rows[1]["strategies"]["ring"]["allreduce_ms"]
+    timed = [{"algorithm": "gather_sum", "devices": k, "size_bytes": size, "time_us": (k - 1) * (20 + size / 1e3)}
+             for k in (2, 3, 4) for size in (4096, 1 << 20)]  # α = 20 µs, β = 1 ns/B, by its own cost
+    record = fit.fit_all(timed, held_out=4)
+    assert record["algorithms"]["gather_sum"]["alpha_s"] == pytest.approx(2e-5)
+    assert record["held_out"]["worst_relative_error"] < 1e-9
+    assert predict.allreduce_seconds("gather_sum+fused", 4, [4096.0], record) == pytest.approx(3 * (20 + 4.096) * 1e-6)
 
 
 @pytest.mark.slow

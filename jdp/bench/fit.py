@@ -115,7 +115,7 @@ def fit_all(rows: Sequence[dict], held_out: int | None = None, shared: bool = Fa
     by_name: dict[str, list[dict]] = {}
     for r in rows:  # one fit per algorithm its cost names, over its groupings (`hierarchical:2x2`, `:2x4`, ...)
         cost = cost_of(r["algorithm"])
-        by_name.setdefault(r["algorithm"] if cost is None else cost.fits[0], []).append(r)
+        by_name.setdefault(cost.fits[0] if cost is not None and cost.fits else r["algorithm"], []).append(r)
     fits, held = {}, {}
     for name, mine in by_name.items():
         if features(mine[0]) is None:

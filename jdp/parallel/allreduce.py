@@ -91,9 +91,13 @@ _STRATEGIES: dict[str, Allreduce] = {  # built-ins first, then what users regist
 
 
 def register(strategy: Allreduce, *, replace: bool = False) -> Allreduce:
-    """Makes `strategy` available by name to `get`, `jdp train --allreduce` and the benches.
+    """Makes `strategy` available by name to `get`, `jdp train --allreduce`, `jdp predict` and the benches.
 
-    Check it first with `jdp.testing.check_allreduce(strategy)`.
+    Check it first with `jdp.testing.check_allreduce(strategy)`. A cost that names no fitted
+    algorithm (`Cost.fits`) is fitted under the strategy's name (`jdp bench allreduce --fit`).
+
+    Returns:
+      The strategy as registered.
 
     Raises:
       ConfigError: if it is not a well-formed `Allreduce`, or its name is taken (unless `replace`).
@@ -101,6 +105,8 @@ def register(strategy: Allreduce, *, replace: bool = False) -> Allreduce:
     check(strategy)
     if strategy.name in _STRATEGIES and not replace:
         raise ConfigError(f"An allreduce strategy named `{strategy.name}` is registered already; pass `replace=True`.")
+    if strategy.cost is not None and not strategy.cost.fits:
+        strategy = strategy._replace(cost=strategy.cost._replace(fits=(strategy.name,)))
     _STRATEGIES[strategy.name] = strategy
     return strategy
 
