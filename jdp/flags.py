@@ -27,13 +27,18 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def add_device_flags(parser: argparse.ArgumentParser) -> None:
-    """`--devices`, `--cpu-devices`, `--no-xla-flags` and `--plugin`: what `setup_devices` reads."""
+    """`--devices`, `--cpu-devices`, `--no-xla-flags` and `--plugin`: what `setup_devices` and `load_plugins` read."""
     parser.add_argument("--devices", type=int, default=None, help="number of devices to use (default: all)")
     parser.add_argument("--cpu-devices", type=int, default=None,
                         help="simulate N CPU devices (set before JAX starts); for machines without accelerators")
     parser.add_argument("--no-xla-flags", action="store_true",
                         help="do not set jdp's XLA performance flags (see jdp/runtime/xla_flags.py; "
                         "also JDP_NO_XLA_FLAGS=1)")
+    add_plugin_flag(parser)
+
+
+def add_plugin_flag(parser: argparse.ArgumentParser) -> None:
+    """`--plugin MODULE` (repeatable): what `load_plugins` imports."""
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                         help="import MODULE first (repeatable): it may register models and allreduce strategies "
                         "with jdp.register_model / jdp.register_allreduce")

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from jdp.bench.fit import levels_of
 from jdp.errors import ConfigError, check_positive
-from jdp.flags import check_out_dir, load_plugins
+from jdp.flags import add_plugin_flag, check_out_dir, load_plugins
 from jdp.parallel import allreduce, cost
 from jdp.parallel.buckets import fused
 from jdp.parallel.strategy import Allreduce
@@ -182,8 +182,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                    "included) or hierarchical[:tree][:HxL], then wrappers (+fused, +buckets25MB, +bfloat16-wire, "
                    "+bfloat16); default: every registered strategy with a cost, fused, and those with a "
                    "low-precision wire sending bfloat16, fused")
-    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
-                   help="import MODULE first (repeatable): it may register allreduce strategies with their cost")
+    add_plugin_flag(p)
     p.add_argument("--out", default=None, metavar="DIR", help="write predict.json and predict.png here")
     p.set_defaults(run=run_predict)
 
