@@ -22,6 +22,7 @@ from jdp.parallel.allreduce import names as allreduce_names
 from jdp.parallel.allreduce import register as register_allreduce
 from jdp.parallel.buckets import fused
 from jdp.parallel.compress import low_precision, powersgd
+from jdp.parallel.cost import Cost, Terms
 from jdp.parallel.layout import map_over_devices, replicate, split_batch, unreplicate
 from jdp.parallel.opt_state import OptState
 from jdp.parallel.opt_state import init_sharded as init_sharded_opt_state
@@ -61,6 +62,7 @@ __all__ = [
     "AXIS",
     "Allreduce",
     "ConfigError",
+    "Cost",
     "DataError",
     "Dataset",
     "DeviceError",
@@ -71,6 +73,7 @@ __all__ = [
     "ProcessLostError",
     "Split",
     "TrainConfig",
+    "Terms",
     "TrainingError",
     "__version__",
     "allreduce_names",

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from jdp.errors import ConfigError, DeviceError, check_positive
+from jdp.parallel.allreduce import names as allreduce_names
 from jdp.parallel.compress import MODES
 from jdp.parallel.layout import BACKENDS
 from jdp.training.optimizers import OPTIMIZERS
@@ -26,13 +27,18 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def add_device_flags(parser: argparse.ArgumentParser) -> None:
-    """`--devices`, `--cpu-devices`, `--no-xla-flags` and `--plugin`: what `setup_devices` reads."""
+    """`--devices`, `--cpu-devices`, `--no-xla-flags` and `--plugin`: what `setup_devices` and `load_plugins` read."""
     parser.add_argument("--devices", type=int, default=None, help="number of devices to use (default: all)")
     parser.add_argument("--cpu-devices", type=int, default=None,
                         help="simulate N CPU devices (set before JAX starts); for machines without accelerators")
     parser.add_argument("--no-xla-flags", action="store_true",
                         help="do not set jdp's XLA performance flags (see jdp/runtime/xla_flags.py; "
                         "also JDP_NO_XLA_FLAGS=1)")
+    add_plugin_flag(parser)
+
+
+def add_plugin_flag(parser: argparse.ArgumentParser) -> None:
+    """`--plugin MODULE` (repeatable): what `load_plugins` imports."""
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                         help="import MODULE first (repeatable): it may register models and allreduce strategies "
                         "with jdp.register_model / jdp.register_allreduce")
@@ -48,7 +54,8 @@ def add_compress_flags(parser: argparse.ArgumentParser) -> None:
     """`--compress` and `--powersgd-rank`: how the allreduce compresses what it sends (jdp.parallel.compress)."""
     parser.add_argument("--compress", default="none", choices=MODES,
                         help="compress the allreduce: cast to bf16/fp16 (sums in that dtype), send bf16/fp16 but add "
-                        "in float32 at each ring hop (-wire, --allreduce ring or hierarchical), or rank-R PowerSGD with error feedback")
+                        f"in float32 at each hop (-wire, --allreduce {' or '.join(allreduce_names(wire=True))}), or rank-R "
+                        "PowerSGD with error feedback")
     parser.add_argument("--powersgd-rank", type=int, default=None, metavar="R",
                         help="with --compress powersgd: the rank of its factors (default 1)")
 
@@ -68,7 +75,7 @@ def add_optimizer_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="ZeRO-2: reduce-scatter the gradients, each device updates its 1/k slice with its "
                         "1/k of the optimizer state, all-gather the params (any --allreduce with those halves: "
-                        "psum, ring, hierarchical, manual, manual_ring, or a plugin's)")
+                        f"{', '.join(allreduce_names(halves=True))}, or a plugin's)")
 
 
 def load_plugins(modules: list[str]) -> None:

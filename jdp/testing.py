@@ -32,10 +32,10 @@ from jdp.parallel.opt_state import init_sharded
 from jdp.parallel.step import make_train_step
 from jdp.parallel.strategy import Allreduce
 from jdp.runtime.devices import AXIS
+from jdp.types import PyTree
 
 __all__ = ["check_allreduce"]
 
-PyTree = Any
 
 MAX_DEFAULT_DEVICES = 8  # the default device counts are 1..min(8, local devices)
 SGD_IMAGES_PER_DEVICE = 4
@@ -58,8 +58,8 @@ def check_allreduce(
     `jdp.make_train_step` trusts its strategy to be the one sum of the gradients over the devices,
     and to leave every device with exactly the same bits: a strategy that is slightly off, or
     rounds differently on one device, trains replicas that silently drift apart. This runs the
-    checks every built-in strategy (psum, ring, tree, manual, manual_ring, and their `fused`
-    forms) passes, so that a new one can be trusted the same way:
+    checks every built-in strategy (each of `jdp.allreduce_names()`, and their `fused` forms)
+    passes, so that a new one can be trusted the same way:
 
     1. For each device count k (ascending), on a random pytree of float32 and bfloat16 leaves
        (nested dicts, lists and tuples; scalars, size-0 leaves, sizes that k does not divide),

@@ -1,6 +1,7 @@
 """Every allreduce strategy returns the sum, bit-identical on every device, per leaf and fused."""
 
 import json
+import re
 from functools import partial
 
 import chex
@@ -232,3 +233,37 @@ def test_train_cli_rejects_buckets_without_fuse(capsys):
     assert cli.main(["train", "--dataset", "synthetic", "--allreduce", "ring", "--bucket-mb", "4"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "`--bucket-mb 4` only applies to fused buffers; add `--fuse`" in err
+
+
+@pytest.mark.parametrize("name", ["ring+bfloat16-wire+fused", "tree+buckets25MB", "psum+bfloat16", "ring+powersgd2",
+                                  "hierarchical:tree:2x4+fused", "manual_ring+float16", "hierarchical+bfloat16-wire"])
+def test_get_reads_back_every_name_the_wrappers_write(name):
+    strategy = allreduce.get(name)
+    assert strategy.name == name and allreduce.get(strategy) is strategy  # a strategy passes through as itself
+
+
+def test_get_refuses_a_wrapper_it_does_not_write_and_a_wire_a_strategy_lacks():
+    with pytest.raises(ConfigError, match=r"`ring\+zip` has `\+zip`, not a wrapper jdp writes"):
+        allreduce.get("ring+zip")
+    with pytest.raises(ConfigError, match=r"`compress=bf16-wire` .* use `allreduce=ring, hierarchical`"):
+        allreduce.get("tree+bfloat16-wire")
+    assert allreduce.names(wire=True) == ("ring", "hierarchical")
+
+
+def test_every_built_in_has_a_cost_the_wrappers_carry_and_powersgd_drops():
+    for name in allreduce.names():
+        strategy = allreduce.get(name)
+        assert strategy.cost is not None and buckets.fused(strategy).cost is not None, name
+        assert allreduce.get(name, compress="bf16").cost is not None, name
+        assert allreduce.get(name, compress="powersgd").cost is None, name
+
+
+@pytest.mark.parametrize("module,name,replacement", [
+    ("jdp.parallel.compress", "get", "jdp.get_allreduce"), ("jdp.parallel.cost", "formula", ".cost"),
+    ("jdp.parallel.cost", "fit_all", "jdp.bench.fit.fit_all"), ("jdp.runtime.machine_kind", "Kind", "MachineKind"),
+    ("jdp.training.formulation", "COMMITTED", "committed()"), ("jdp.bench.baselines", "BASELINES", "committed()")])
+def test_a_removed_name_says_what_replaced_it(module, name, replacement):
+    import importlib
+
+    with pytest.raises(AttributeError, match=re.escape(replacement)):
+        getattr(importlib.import_module(module), name)

@@ -1,13 +1,38 @@
 """docs/architecture.md's recipes run as written: every ```python block, in order, in one namespace."""
 
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import pytest
 
+from jdp.bench import fit, predict
+from jdp.bench.predict import CLUSTERS
+from jdp.cli.main import main
+from test_imports import LAYERS, ROOT, import_graph
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 BLOCKS = re.findall(r"^### (.+?)$.*?^```python\n(.*?)^```$", DOC.read_text(), re.S | re.M)
+# The layer table: (layer, [modules]) per row, e.g. ("4.2", ["jdp.parallel.collectives", "jdp.parallel.transfers"])
+TABLE = [(layer, re.findall(r"`(jdp[\w.]*)`", modules))
+         for layer, modules in re.findall(r"^\| ([\d.]+) \| (.+?) \|", DOC.read_text(), re.M)]
+
+
+def sublayer_problems(table: list[tuple[str, list[str]]], graph: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """How jdp.parallel's modules break the table's sub-layers 4.0–4.7: a module in no row, or one importing a
+    module of a higher sub-layer."""
+    order = {module: float(layer) for layer, modules in table if layer.startswith("4.") for module in modules}
+    problems = [f"{m} is in no 4.x row of docs/architecture.md's table" for m in sorted(graph)
+                if m.startswith("jdp.parallel.") and m not in order]
+    for module, targets in sorted(graph.items()):
+        for target, line in targets:
+            if module in order and target in order and order[target] > order[module]:
+                problems.append(f"{module}:{line} (layer {order[module]}) imports {target} (layer {order[target]})")
+    return problems
 
 
 def test_every_recipe_has_a_program():
@@ -29,3 +54,66 @@ def registry_restored():
     yield
     allreduce._STRATEGIES.clear()
     allreduce._STRATEGIES.update(saved)
+
+
+@pytest.fixture
+def gather_sum_plugin(tmp_path, monkeypatch, registry_restored):
+    """The allreduce recipe saved as the plugin file `gather_sum.py`, importable."""
+    code = dict(BLOCKS)["A new allreduce strategy"]
+    (tmp_path / "gather_sum.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("gather_sum", None)
+
+
+def test_allreduce_recipe_is_exact_and_predicted_by_its_own_cost(gather_sum_plugin, capsys):
+    import gather_sum
+
+    from jdp.testing import check_allreduce
+
+    check_allreduce(gather_sum.strategy, device_counts=(1, 2, 3), sgd_steps=1)  # sums, halves, SGD (and sharded)
+    out = gather_sum_plugin / "p"
+    assert main(["predict", "--plugin", "gather_sum", "--strategies", "gather_sum", "ring", "--grad-bytes", "1e8",
+                 "--compute-ms-per-image", "1", "--network", "pcie4-10gbe", "--devices", "8,64", "--out", str(out)]) == 0
+    assert "skipping" not in capsys.readouterr().out
+    rows = json.loads((out / "predict.json").read_text())["rows"]
+    intra = CLUSTERS["pcie4-10gbe"].intra  # 8 devices: one node, k − 1 messages of N on its PCIe
+    assert rows[0]["strategies"]["gather_sum"]["allreduce_ms"] == pytest.approx(7 * (intra.alpha + 1e8 * intra.beta) * 1e3)
+    assert rows[1]["strategies"]["gather_sum"]["allreduce_ms"] > rows[1]["strategies"]["ring"]["allreduce_ms"]
+    timed = [{"algorithm": "gather_sum", "devices": k, "size_bytes": size, "time_us": (k - 1) * (20 + size / 1e3)}
+             for k in (2, 3, 4) for size in (4096, 1 << 20)]  # α = 20 µs, β = 1 ns/B, by its own cost
+    record = fit.fit_all(timed, held_out=4)
+    assert record["algorithms"]["gather_sum"]["alpha_s"] == pytest.approx(2e-5)
+    assert record["held_out"]["worst_relative_error"] < 1e-9
+    assert predict.allreduce_seconds("gather_sum+fused", 4, [4096.0], record) == pytest.approx(3 * (20 + 4.096) * 1e-6)
+
+
+@pytest.mark.slow
+def test_allreduce_recipe_trains_from_the_cli(gather_sum_plugin):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(gather_sum_plugin), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "jdp", "train", "--plugin", "gather_sum", "--allreduce", "gather_sum",
+                           "--shard-optimizer", "--cpu-devices", "2", "--dataset", "synthetic", "--epochs", "1",
+                           "--no-progress", "--check-replicas", "1"], cwd=gather_sum_plugin, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert re.search(r"^test acc: \d\.\d\d, ", done.stdout, re.M), done.stdout
+
+
+def test_the_table_lists_the_layers_the_import_test_enforces():
+    rows = {int(float(layer)): set() for layer, _ in TABLE}
+    for layer, modules in TABLE:
+        rows[int(float(layer))] |= {"jdp.parallel" if m.startswith("jdp.parallel.") else m for m in modules}
+    assert rows == {layer: set(names) for layer, names in LAYERS if layer in rows}
+
+
+def test_modules_of_jdp_parallel_import_only_their_sublayer_or_lower():
+    _, graph = import_graph(ROOT / "jdp")
+    assert sublayer_problems(TABLE, graph) == []
+
+
+def test_the_sublayer_check_catches_an_import_against_the_order():
+    _, graph = import_graph(ROOT / "jdp")
+    planted = {**graph, "jdp.parallel.cost": [("jdp.parallel.step", 3)], "jdp.parallel.zero": []}
+    assert sublayer_problems(TABLE, planted) == [
+        "jdp.parallel.zero is in no 4.x row of docs/architecture.md's table",
+        "jdp.parallel.cost:3 (layer 4.0) imports jdp.parallel.step (layer 4.7)"]

@@ -67,7 +67,7 @@ class FakeDevice:
 
 
 def test_baseline_is_found_by_machine_kind_and_settings(monkeypatch):
-    monkeypatch.setattr(baselines, "BASELINES", (BASE,))
+    monkeypatch.setattr(baselines, "committed", lambda: (BASE,))
     here = {"cpu": "Test CPU", "vector_isa": "avx2", "host_cpus": 2}
     assert baselines.find(here, FakeDevice(), batch_size=256, formulation="fast") == BASE
     other_isa = {**here, "vector_isa": "avx512_bf16"}  # the same CPU model, other kernels
@@ -84,7 +84,7 @@ def test_a_kind_known_by_isa_and_cores_alone_has_a_baseline(monkeypatch):
     """Issue 26's Intel AMX kind: its CPU model string is unknown, so any model with that ISA and core count."""
     amx = BASE._replace(cpu=None, vector_isa="amx_bf16")
     named = BASE._replace(cpu="Intel Xeon 1", vector_isa="amx_bf16", machine="named")
-    monkeypatch.setattr(baselines, "BASELINES", (amx, named))
+    monkeypatch.setattr(baselines, "committed", lambda: (amx, named))
     xeon = {"cpu": "Intel Xeon 2", "vector_isa": "amx_bf16", "host_cpus": 2}
     assert baselines.find(xeon, FakeDevice(), batch_size=256, formulation="auto") == amx
     assert baselines.find({**xeon, "cpu": "Intel Xeon 1"}, FakeDevice(), batch_size=256, formulation="auto") == named

@@ -61,12 +61,12 @@ def test_cast_stays_within_the_rounding_bound_of_its_dtype(name, mode, devices):
     to first order (Higham §4.2); the -wire ring rounds once per hop instead, k times. The test allows 2k·u."""
     if mode.endswith("-wire") and name != "ring":
         with pytest.raises(ConfigError, match=f"`compress={mode}` sends low precision.*use `allreduce=ring, hierarchical`"):
-            compress.get(name, compress=mode)
+            jdp.get_allreduce(name, compress=mode)
         return
     rng = np.random.default_rng(0)
     tree = {"w": rng.standard_normal((K, 37, 5)).astype(np.float32),
             "b": rng.standard_normal((K, 3)).astype(np.float32)}
-    strategy = compress.get(name, compress=mode)
+    strategy = jdp.get_allreduce(name, compress=mode)
     got = assert_identical_sums(run(strategy, tree, devices[:K]), K)
     u = UNIT_ROUNDOFF[mode[:4]]
     for g, x in zip(got, jax.tree.leaves(tree), strict=True):
@@ -83,7 +83,7 @@ def test_the_wire_variant_rounds_less_than_summing_in_bf16(devices):
     rng = np.random.default_rng(1)
     tree = rng.standard_normal((8, 4096)).astype(np.float32)
     exact = tree.astype(np.float64).sum(0)
-    error = {mode: np.abs(assert_identical_sums(run(compress.get("ring", compress=mode), tree, devices[:8]), 8)[0]
+    error = {mode: np.abs(assert_identical_sums(run(jdp.get_allreduce("ring", compress=mode), tree, devices[:8]), 8)[0]
                           - exact).mean() for mode in ("bf16", "bf16-wire")}
     assert error["bf16-wire"] < 0.9 * error["bf16"], error
 
@@ -102,7 +102,7 @@ def test_powersgd_with_rank_at_least_the_gradients_rank_is_the_exact_sum(name, d
     a = rng.standard_normal((40, 2))
     tree = {"w": np.stack([a @ rng.standard_normal((2, 30)) for _ in range(K)]).astype(np.float32),
             "b": rng.standard_normal((K, 7)).astype(np.float32)}  # a bias: sent as it is
-    strategy = compress.get(name, compress="powersgd", rank=2)
+    strategy = jdp.get_allreduce(name, compress="powersgd", rank=2)
     state = powersgd_state(strategy, jax.tree.map(lambda x: x[0], tree), devices[:K])
     out, _ = run(strategy, tree, devices[:K], state)
     for g, x in zip(assert_identical_sums(out, K), jax.tree.leaves(tree), strict=True):
@@ -113,7 +113,7 @@ def test_powersgd_with_low_rank_does_not_reproduce_the_sum(devices):
     """The other side of the previous test: rank 1 of a full-rank sum loses most of it in one step."""
     rng = np.random.default_rng(3)
     tree = {"w": rng.standard_normal((K, 12, 10)).astype(np.float32)}
-    strategy = compress.get("psum", compress="powersgd", rank=1)
+    strategy = jdp.get_allreduce("psum", compress="powersgd", rank=1)
     out, _ = run(strategy, tree, devices[:K], powersgd_state(strategy, {"w": tree["w"][0]}, devices[:K]))
     exact = tree["w"].sum(0)
     assert np.linalg.norm(slices(out["w"])[0] - exact) > 0.3 * np.linalg.norm(exact)
@@ -126,7 +126,7 @@ def test_error_feedback_makes_the_applied_updates_add_up_to_the_true_gradients(n
     bounded and the relative gap shrinks like 1/T. Without error feedback it stays at ~‖ΣG − rank-1 part‖."""
     rng = np.random.default_rng(4)
     grads = {"w": rng.standard_normal((K, 8, 6)).astype(np.float32)}
-    strategy = compress.get(name, compress="powersgd", rank=1)
+    strategy = jdp.get_allreduce(name, compress="powersgd", rank=1)
     state = powersgd_state(strategy, {"w": grads["w"][0]}, devices[:K])
     target, applied, gaps = grads["w"].astype(np.float64).sum(0), 0.0, []
     for t in range(1, 101):
@@ -243,7 +243,7 @@ from jdp.parallel.layout import replicate, split_batch
 from jdp.parallel.step import make_train_step
 devices, model, optimizer = jax.devices(), jdp.get_model("lenet"), optax.sgd(0.1)
 params = model.init(jax.random.key(0))
-step = make_train_step(model.loss, optimizer, compress.get("psum", compress="bf16"), devices)
+step = make_train_step(model.loss, optimizer, jdp.get_allreduce("psum", compress="bf16"), devices)
 batch = split_batch(np.zeros((8, 1, 28, 28), np.float32), np.zeros(8, np.int32), devices)
 hlo = step.lower(replicate(params, devices), replicate(optimizer.init(params), devices), *batch).compile().as_text()
 print(hlo.count("bf16["))

@@ -11,19 +11,19 @@ from jdp.cli import main as cli
 from jdp.errors import ConfigError, DataError
 from jdp.models import lenet_fast
 from jdp.runtime import machine_kind
-from jdp.runtime.machine_kind import Kind
+from jdp.runtime.machine_kind import MachineKind
 from jdp.training import checkpoint, formulation
 from jdp.training.config import TrainConfig
 from jdp.training.formulation import Entry
 
-BOX = Kind("Test CPU 9000", "avx512_bf16", 2, "cpu")
+BOX = MachineKind("Test CPU 9000", "avx512_bf16", 2, "cpu")
 OTHER_MODEL = BOX._replace(cpu="Test CPU 9001")
 TABLE = (Entry(BOX, 1, "split-4", "measured here"), Entry(BOX, 2, "split-2", "measured here"),
-         Entry(Kind(None, "avx512_bf16", 2, "cpu"), 1, "split-2", "any model with this ISA"))
+         Entry(MachineKind(None, "avx512_bf16", 2, "cpu"), 1, "split-2", "any model with this ISA"))
 
 
 def test_auto_is_a_pure_function_of_kind_device_count_and_table(monkeypatch):
-    monkeypatch.setattr(formulation, "COMMITTED", TABLE)
+    monkeypatch.setattr(formulation, "committed", lambda: TABLE)
     for _ in range(2):  # the same answer every time
         assert formulation.resolve("auto", BOX, 1).formulation == "split-4"
     assert formulation.resolve("auto", BOX, 2).formulation == "split-2"
@@ -40,10 +40,22 @@ def test_auto_is_a_pure_function_of_kind_device_count_and_table(monkeypatch):
 
 
 def test_committed_entries_name_trained_formulations_and_their_source():
-    for entry in formulation.COMMITTED:
+    for entry in formulation.committed():
         assert entry.formulation in lenet_fast.FORMULATIONS and entry.source
-    amx = Kind("Intel(R) Xeon(R) whatever", "amx_bf16", 2, "cpu")
+    amx = MachineKind("Intel(R) Xeon(R) whatever", "amx_bf16", 2, "cpu")
     assert formulation.resolve("auto", amx, 1).formulation == "split-4"  # issue 26's measurement
+
+
+def test_committed_tables_are_data_files_read_from_the_checkout(tmp_path, monkeypatch):
+    from jdp.runtime import measurements
+
+    assert (measurements.RESULTS / formulation.COMMITTED_TABLE).is_file() and len(formulation.committed()) >= 4
+    monkeypatch.setattr(measurements, "RESULTS", tmp_path)  # an install without experiments/: no committed table
+    assert measurements.read(formulation.COMMITTED_TABLE, "entries") == []
+    (tmp_path / "formulations").mkdir()
+    (tmp_path / formulation.COMMITTED_TABLE).write_text('{"entries": {"not": "a list"}}')
+    with pytest.raises(DataError, match="holds no list under `entries`"):
+        measurements.read(formulation.COMMITTED_TABLE, "entries")
 
 
 def test_cache_round_trip_replaces_an_entry_of_the_same_kind(tmp_path, monkeypatch):
@@ -67,7 +79,7 @@ def test_a_bad_formulation_is_refused_by_name():
 def test_a_resumed_auto_run_takes_the_checkpoints_formulation(tmp_path, monkeypatch):
     """Whatever the table and the machine say now; a run that does not resume takes the table's."""
     monkeypatch.setattr(formulation, "this_kind", lambda device_kind: BOX)
-    monkeypatch.setattr(formulation, "COMMITTED", TABLE)
+    monkeypatch.setattr(formulation, "committed", lambda: TABLE)
     auto, devices = TrainConfig(formulation="auto"), jax.devices()[:1]
     checkpoint.save(tmp_path, 8, {"x": jnp.zeros(2)}, {"run": {"config": {**auto.to_dict(), "formulation": "split-2"}}})
     assert formulation.settle(auto, devices, tmp_path, resume=True) == (
@@ -87,7 +99,7 @@ def test_auto_is_recorded_and_a_resume_keeps_the_checkpoints_choice(tmp_path, mo
     the machine is another kind: the resumed run keeps split-2, in history.json and in its checkpoints."""
     monkeypatch.setenv(formulation.CACHE_ENV, str(tmp_path / "cache"))  # no user table
     monkeypatch.setattr(formulation, "this_kind", lambda device_kind: BOX)
-    monkeypatch.setattr(formulation, "COMMITTED", (Entry(BOX, 1, "split-2", "test table"),))
+    monkeypatch.setattr(formulation, "committed", lambda: (Entry(BOX, 1, "split-2", "test table"),))
     args = ["train", "--dataset", "synthetic", "--devices", "1", "--batch-size", "256", "--no-progress",
             "--checkpoint-dir", str(tmp_path / "ckpt")]
     assert cli.main([*args, "--epochs", "1", "--out", str(tmp_path / "first")]) == 0
@@ -99,7 +111,7 @@ def test_auto_is_recorded_and_a_resume_keeps_the_checkpoints_choice(tmp_path, mo
     assert checkpoint.latest_info(tmp_path / "ckpt")["run"]["config"]["formulation"] == "split-2"
 
     monkeypatch.setattr(formulation, "this_kind", lambda device_kind: OTHER_MODEL)
-    monkeypatch.setattr(formulation, "COMMITTED", (Entry(OTHER_MODEL, 1, "split-4", "changed"),))
+    monkeypatch.setattr(formulation, "committed", lambda: (Entry(OTHER_MODEL, 1, "split-4", "changed"),))
     assert cli.main([*args, "--epochs", "2", "--resume", "--out", str(tmp_path / "resumed")]) == 0
     assert "formulation: split-2 (the checkpoint resumed)\n" in capsys.readouterr().out
     resumed = json.loads((tmp_path / "resumed" / "history.json").read_text())

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jdp.errors import ConfigError
-from jdp.parallel import allreduce, collectives, compress
+from jdp.parallel import allreduce, collectives
 from jdp.parallel.layout import sharded
 from jdp.parallel.step import check_strategy
 from jdp.runtime.devices import AXIS
@@ -45,7 +45,7 @@ def _ppermutes(jaxpr) -> list[tuple[str, tuple]]:
 
 def test_traffic_stays_in_its_groups_and_only_the_cross_host_traffic_is_compressed():
     """2 hosts × 4: float32 hops only inside a host, bfloat16 hops only between the same local index."""
-    strategy = compress.get("hierarchical:2x4", compress="bf16-wire")
+    strategy = allreduce.get("hierarchical:2x4", compress="bf16-wire")
     jaxpr = jax.make_jaxpr(partial(strategy.fn, axis_name=AXIS), axis_env=[(AXIS, 8)])(jnp.ones(13))
     hops = _ppermutes(jaxpr.jaxpr)
     inside = [perm for dtype, perm in hops if dtype == "float32"]
@@ -59,7 +59,7 @@ def test_traffic_stays_in_its_groups_and_only_the_cross_host_traffic_is_compress
 def test_the_wire_variant_is_bit_identical_and_within_the_bfloat16_bound(devices):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((8, 37)).astype(np.float32)  # 37: not divisible by 4 local devices
-    strategy = compress.get("hierarchical:2x4", compress="bf16-wire")
+    strategy = allreduce.get("hierarchical:2x4", compress="bf16-wire")
     out = jax.pmap(lambda t: strategy.fn(t, AXIS), axis_name=AXIS, devices=devices[:8])(
         jax.device_put(x, sharded(devices[:8])))
     rows = [np.asarray(s.data)[0] for s in sorted(out.addressable_shards, key=lambda s: s.index[0].start)]
@@ -104,9 +104,9 @@ def test_names_round_trip_and_the_wire_goes_with_the_outer_ring():
     for name in ["hierarchical", "hierarchical:tree", "hierarchical:psum:2x4", "hierarchical:4x2"]:
         assert allreduce.get(name).name == name
     assert allreduce.get("hierarchical:ring:2x4").name == "hierarchical:2x4"
-    assert compress.get("hierarchical:2x4", compress="bf16-wire").name == "hierarchical:2x4+bfloat16-wire"
+    assert allreduce.get("hierarchical:2x4", compress="bf16-wire").name == "hierarchical:2x4+bfloat16-wire"
     with pytest.raises(ConfigError, match="use `allreduce=ring, hierarchical`"):
-        compress.get("hierarchical:tree:2x4", compress="bf16-wire")
+        allreduce.get("hierarchical:tree:2x4", compress="bf16-wire")
 
 
 def test_shard_optimizer_takes_the_ring_across_hosts_and_refuses_the_others(devices):

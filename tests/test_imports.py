@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (layer, modules): a module may import modules of its own layer or a lower one. A name covers the
 # module itself and everything under it, the most specific name winning (jdp.models.lenet over jdp.models).
 LAYERS = (
-    (0, ("jdp.errors",)),
+    (0, ("jdp.errors", "jdp.types")),
     (1, ("jdp.runtime",)),
     (2, ("jdp.data", "jdp.plot")),
     (3, ("jdp.models",)),

@@ -48,13 +48,13 @@ def test_no_module_uses_another_modules_private_names():
 
 def test_the_check_catches_both_forms():
     source = ("from jdp.parallel.buckets import _bounds, layout_of\n"
-              "from jdp.parallel import copies\n"
+              "from jdp.parallel import transfers\n"
               "import jdp.parallel.step as step\n"
-              "x = copies._ordered_shards(1) + step._reduce\n"
-              "y = copies.manual\n")
+              "x = transfers._ordered_shards(1) + step._reduce\n"
+              "y = transfers.manual\n")
     assert private_reaches(source, "jdp.parallel.zero") == [
         "jdp.parallel.zero:1 imports jdp.parallel.buckets._bounds",
-        "jdp.parallel.zero:4 reads jdp.parallel.copies._ordered_shards",
         "jdp.parallel.zero:4 reads jdp.parallel.step._reduce",
+        "jdp.parallel.zero:4 reads jdp.parallel.transfers._ordered_shards",
     ]
     assert private_reaches("from jdp.parallel.buckets import _bounds\n", "jdp.parallel.buckets") == []

@@ -7,7 +7,7 @@ carries, so it can be compared across device counts and with the hardware's link
 Each buffer holds small integers, so every order of summation gives the exact sum: `#wrong`
 counts the elements, on every device, that differ from it (it must be 0).
 
-Each run also fits the α–β–γ model of every algorithm to its times (`jdp.parallel.cost`).
+Each run also fits the α–β–γ model of every algorithm to its times (`jdp.bench.fit`).
 One process has one device count, so `--fit RUN.json ...` fits saved runs of several counts
 together, and `--hold-out K` leaves count K out of the fit and reports how well it is predicted.
 """
@@ -24,10 +24,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jdp.bench import fit
 from jdp.bench.machine import machine, where
 from jdp.errors import ConfigError, check_positive
 from jdp.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
-from jdp.parallel import allreduce, cost
+from jdp.parallel import allreduce
 from jdp.parallel.inflight import InFlight
 from jdp.parallel.layout import BACKENDS, map_over_devices, sharded
 from jdp.runtime.devices import AXIS
@@ -275,6 +276,7 @@ def run_fit(args: argparse.Namespace) -> int:
     from jdp import plot
 
     out = check_out_dir(args.out)
+    load_plugins(args.plugin)  # rows of a plugin's strategy are priced by its cost
     runs = load_runs(args.fit)
     rows = [r for run in runs for r in run["results"]]
     counts = sorted({r["devices"] for r in rows})
@@ -282,7 +284,7 @@ def run_fit(args: argparse.Namespace) -> int:
         raise ConfigError(f"`hold_out={args.hold_out}` must be one of the runs' device counts {counts}, "
                           "with at least one other count to fit on.")
     shared = args.link == "shared" or (args.link == "auto" and all(run.get("platform") == "cpu" for run in runs))
-    record = cost.fit_all(rows, held_out=args.hold_out, shared=shared)
+    record = fit.fit_all(rows, held_out=args.hold_out, shared=shared)
     print(f"# jdp bench allreduce --fit: t = m·alpha + b·beta + r·gamma per algorithm, over {len(runs)} run(s) on "
           f"{counts} devices, b = bytes {'all devices send (one shared host)' if shared else 'the busiest device sends'}",
           flush=True)
@@ -320,7 +322,7 @@ def run_allreduce_bench(args: argparse.Namespace) -> int:
     if out is not None:
         record = {"benchmark": "allreduce", **machine(devices), "cpu_devices_simulated": args.cpu_devices,
                   "backend": args.backend, "repeats": args.repeats, "results": rows,
-                  "fit": cost.fit_all(rows, shared=devices[0].platform == "cpu",
+                  "fit": fit.fit_all(rows, shared=devices[0].platform == "cpu",
                                       say=lambda line: print(line, flush=True))}
         (out / "allreduce.json").write_text(json.dumps(record, indent=2) + "\n")
         title = f"allreduce on {len(devices)} {devices[0].platform} devices, float32, median of {args.repeats}"

@@ -111,7 +111,7 @@ FORMULATIONS: dict[str, tuple[str, Apply]] = {
     "conv1-xla": ("fast, conv1 as XLA's convolution (weight gradient as a matmul), then bias, ReLU, pool",
                   make_apply(layer1=conv_relu_pool(_conv_matmul_dw))),
     "pool-reshape-mean": ("fast, conv2's pooling as reshape + mean", make_apply(pool=_reshape_mean_pool)),
-    "conv1-xla+pool-reshape-mean": ("both of the above, no barrier: jdp's fast formulation until 2026-12-03",
+    "conv1-xla+pool-reshape-mean": ("both of the above, no barrier: jdp's earlier fast formulation",
                                     make_apply(layer1=conv_relu_pool(_conv_matmul_dw, pool=_reshape_mean_pool),
                                                pool=_reshape_mean_pool, barrier=False)),
     "no-barrier": ("fast, conv1's output not stored: XLA fuses its loop into conv2's weight-gradient transpose too",

@@ -1,7 +1,8 @@
 """`jdp predict`: a data-parallel step's time and scaling efficiency on a cluster jdp never ran on.
 
 The step is the model's compute (per image × images per device) plus one allreduce of its float32
-gradient, priced by the α–β–γ model of `jdp.parallel.cost`, not overlapped with the compute (an upper
+gradient, priced by the strategy's own cost (`Allreduce.cost`, the α–β–γ model of
+`jdp.parallel.cost`), so a strategy a `--plugin` registers is priced too; not overlapped with the compute (an upper
 bound: DDP-style overlap hides part of it). Weak scaling: each device keeps its batch, so the
 efficiency at k devices is compute / step.
 
@@ -33,9 +34,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax.numpy as jnp
+
+from jdp.bench.fit import levels_of
 from jdp.errors import ConfigError, check_positive
-from jdp.flags import check_out_dir
-from jdp.parallel import cost
+from jdp.flags import add_plugin_flag, check_out_dir, load_plugins
+from jdp.parallel import allreduce, cost
+from jdp.parallel.buckets import fused
+from jdp.parallel.strategy import Allreduce
 
 LINKS = {  # α (s per message), β (s per byte: 1 / bandwidth per direction)
     "nvlink4": cost.Link(3.4e-6, 1 / 450e9, "NVLink 4 (H100 SXM)"),
@@ -65,52 +71,56 @@ CLUSTERS = {
     "pcie4-10gbe": Cluster(8, LINKS["pcie4-x16"], LINKS["10gbe"], 1,
                            "8 GPUs per node on PCIe 4.0 x16, one 10 GbE NIC per node"),
 }
-DEFAULT_STRATEGIES = ("manual+fused", "ring", "ring+fused", "tree+fused", "hierarchical+fused",
-                      "hierarchical:tree+fused", "ring+bfloat16-wire+fused", "hierarchical+bfloat16-wire+fused")
 DEFAULT_COUNTS = "8,16,32,64,128,256,512,1024"
 
 
-def allreduce_seconds(strategy: str, k: int, leaf_bytes: Sequence[float], network: "Cluster | dict") -> float | None:
-    """One allreduce of the gradient (float32 leaves of `leaf_bytes`) on k devices; None if no formula.
+def default_strategies() -> list[Allreduce]:
+    """Every registered strategy that has a cost, fused (stateless ones), and each that has a
+    low-precision wire sending bfloat16, fused: the registry's, a `--plugin`'s included."""
+    priced = [s for s in map(allreduce.get, allreduce.names()) if s.cost is not None]
+    whole = [s if s.stateful else fused(s) for s in priced]
+    return whole + [fused(s.wire(jnp.bfloat16)) for s in priced if s.wire is not None and not s.stateful]
 
-    `network` is a `Cluster`, or a `--fit` record (every level on the link fitted for the strategy's
-    algorithm; hierarchical falls back to the ring's fit where the sweep did not time it).
+
+def allreduce_seconds(strategy: str | Allreduce, k: int, leaf_bytes: Sequence[float], network: "Cluster | dict"
+                      ) -> float | None:
+    """One allreduce of the gradient (float32 leaves of `leaf_bytes`) on k devices by the strategy's own
+    cost; None if it has none, or none for k devices on this network.
+
+    `network` is a `Cluster` (nodes of `per_node` devices), or a `--fit` record (every level on the
+    link fitted for the first of the strategy's `cost.fits` that the record holds; a strategy that
+    needs a grouping of its devices gets √k nodes, or the nearest split).
     """
-    f = cost.formula(strategy)
-    if f is None:
+    priced = allreduce.get(strategy).cost
+    if priced is None:
         return None
     if isinstance(network, Cluster):
-        per_node = network.per_node
-        if f.hierarchical and k % min(k, per_node):
-            return None
-        levels = cost.terms(strategy, k, leaf_bytes, per_node)
+        levels = priced.terms(k, leaf_bytes, network.per_node)
         inter = cost.Link(network.inter.alpha, network.inter.beta, network.inter.name, ports=network.nics)
-        return cost.seconds(levels, network.intra, inter)
-    base = strategy.split("+")[0]
-    model = network["algorithms"].get(base) or network["algorithms"].get("ring" if f.hierarchical else base)
-    if model is None:
+        return None if levels is None else cost.seconds(levels, network.intra, inter)
+    model = next((network["algorithms"][name] for name in priced.fits if name in network["algorithms"]), None)
+    levels = levels_of(priced, k, leaf_bytes, _hosts_for_fit(k))
+    if model is None or levels is None:
         return None
     link = cost.Link(model["alpha_s"], model["beta_s_per_byte"], shared=model.get("shared", False))
-    levels = cost.terms(strategy, k, leaf_bytes, None if not f.hierarchical else _local_for_fit(k))
     return cost.seconds(levels, link, link, model["gamma_s_per_byte"])
 
 
-def _local_for_fit(k: int) -> int:
-    """Measured networks have no nodes: hierarchical is priced as √k hosts of √k (or the nearest split)."""
-    local = max(d for d in range(1, math.isqrt(k) + 1) if k % d == 0)
-    return k // local
+def _hosts_for_fit(k: int) -> int:
+    """Measured networks have no nodes: a strategy that needs them is priced on √k hosts of √k (or the nearest split)."""
+    return max(d for d in range(1, math.isqrt(k) + 1) if k % d == 0)
 
 
-def predict(leaf_bytes: Sequence[float], compute_s: float, counts: Sequence[int], strategies: Sequence[str],
-            network: "Cluster | dict") -> list[dict]:
+def predict(leaf_bytes: Sequence[float], compute_s: float, counts: Sequence[int],
+            strategies: Sequence[str | Allreduce], network: "Cluster | dict") -> list[dict]:
     """One row per device count: compute, each strategy's step time and efficiency, the best strategy."""
     rows = []
     for k in counts:
         steps = {}
-        for name in strategies:
-            t = allreduce_seconds(name, k, leaf_bytes, network)
+        for strategy in map(allreduce.get, strategies):
+            t = allreduce_seconds(strategy, k, leaf_bytes, network)
             if t is not None:
-                steps[name] = {"allreduce_ms": t * 1e3, "step_ms": (compute_s + t) * 1e3,
+                steps[strategy.name] = {"allreduce_ms": t * 1e3, "step_ms": (compute_s + t) * 1e3,
                                "efficiency": compute_s / (compute_s + t)}
         best = min(steps, key=lambda n: steps[n]["step_ms"]) if steps else None
         rows.append({"devices": k, "compute_ms": compute_s * 1e3, "strategies": steps, "best": best})
@@ -167,9 +177,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-per-device", type=int, default=32, help="images per device per step")
     p.add_argument("--network", default="nvlink4-ib-ndr", help=f"a preset ({', '.join(CLUSTERS)}) or a fit.json")
     p.add_argument("--devices", default=DEFAULT_COUNTS, help="device counts, comma-separated")
-    p.add_argument("--strategies", nargs="+", default=list(DEFAULT_STRATEGIES), metavar="NAME",
-                   help="strategy names as jdp writes them: base (manual, manual_ring, ring, tree, psum, hierarchical, "
-                   "hierarchical:tree) + wrappers (+fused, +buckets25MB, +bfloat16-wire, +bfloat16)")
+    p.add_argument("--strategies", nargs="+", default=None, metavar="NAME",
+                   help="strategy names as jdp writes them: a registered one (jdp.allreduce_names(), a --plugin's "
+                   "included) or hierarchical[:tree][:HxL], then wrappers (+fused, +buckets25MB, +bfloat16-wire, "
+                   "+bfloat16); default: every registered strategy with a cost, fused, and those with a "
+                   "low-precision wire sending bfloat16, fused")
+    add_plugin_flag(p)
     p.add_argument("--out", default=None, metavar="DIR", help="write predict.json and predict.png here")
     p.set_defaults(run=run_predict)
 
@@ -221,9 +234,11 @@ def run_predict(args: argparse.Namespace) -> int:
                           ) from None
     for k in counts:
         check_positive("devices", k)
-    unknown = [s for s in args.strategies if cost.formula(s) is None]
-    for name in unknown:
-        print(f"predict: skipping `{name}`: no cost formula for it in jdp.parallel.cost")
+    load_plugins(args.plugin)
+    strategies = default_strategies() if args.strategies is None else [allreduce.get(s) for s in args.strategies]
+    for strategy in strategies:
+        if strategy.cost is None:
+            print(f"predict: skipping `{strategy.name}`: it has no cost (`jdp.Allreduce.cost`)")
     out = check_out_dir(args.out)
     compute = compute_seconds_per_image(args) * args.batch_per_device
     if args.grad_bytes is not None:
@@ -235,8 +250,8 @@ def run_predict(args: argparse.Namespace) -> int:
     where = network.title if isinstance(network, Cluster) else f"measured fit ({args.network})"
     header = (f"jdp predict: {what}, compute {compute * 1e3:.2f} ms/step ({args.batch_per_device} images per "
               f"device), {where}")
-    rows = predict(leaves, compute, counts, args.strategies, network)
-    print(format_table(rows, args.strategies, header), flush=True)
+    rows = predict(leaves, compute, counts, strategies, network)
+    print(format_table(rows, [s.name for s in strategies], header), flush=True)
     if out is not None:
         record = {"command": "predict", "model": None if args.grad_bytes else args.model,
                   "gradient_bytes": sum(leaves), "leaves": len(leaves), "compute_ms": compute * 1e3,

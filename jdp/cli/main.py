@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     from jdp.models import BATCHNORM
     from jdp.models.lenet_fast import FORMULATIONS
     from jdp.models.precision import PRECISIONS
+    from jdp.parallel.allreduce import names as allreduce_names
     from jdp.parallel.sync import DEFAULT_EVERY, DILOCO_OUTER, OUTER_OPTIMIZERS, SYNC_MODES
     from jdp.training.evaluate import EVAL_ON
 
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--epochs", type=int, default=10)
     train.add_argument("--warmup-steps", type=int, default=0, help="linear lr warmup from 0 over this many steps")
     train.add_argument("--allreduce", default="psum",
-                       help="gradient allreduce strategy: psum, manual (star), manual_ring, ring, tree, "
+                       help=f"gradient allreduce strategy: {', '.join(allreduce_names())}, "
                        "hierarchical[:tree|psum][:HxL] (H hosts × L local devices; default one host per process), "
                        "or one a --plugin registered")
     train.add_argument("--fuse", action="store_true",

@@ -31,8 +31,8 @@ from jdp.errors import ConfigError
 from jdp.models import lenet
 from jdp.models.lenet_fast import FORMULATIONS
 from jdp.runtime.devices import AXIS
+from jdp.types import PyTree
 
-PyTree = Any
 BATCHNORM = ("sync", "per-replica")
 
 

@@ -26,8 +26,8 @@ from jax import lax
 from jdp.errors import ConfigError
 from jdp.models import BATCHNORM, Model
 from jdp.runtime.devices import AXIS
+from jdp.types import PyTree
 
-PyTree = Any
 # (logits, labels) -> loss SUMMED over the batch (the step divides by the full batch)
 LogitsLoss = Callable[[jax.Array, jax.Array], jax.Array]
 

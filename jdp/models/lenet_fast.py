@@ -90,8 +90,9 @@ def conv_low_precision_forward_gradients(x: jax.Array, w_hwio: jax.Array) -> jax
     CPU compiler runs one of conv2's two backward convolutions in float32 (converting dy and the
     kernel up); written as forward convolutions (the input gradient over dy padded by kh−1, kw−1
     with the kernel flipped, the weight gradient with batch and channels swapped) both run in
-    bfloat16, the weight gradient accumulated in float32. Not jdp's default: on the AVX-512 BF16 VM
-    the whole bf16 step measured no faster (`jdp bench formulations`'s bf16-conv2-forward-grads).
+    bfloat16, the weight gradient accumulated in float32. Not jdp's default: the whole bf16 step
+    measured no faster with it (`jdp bench formulations`'s bf16-conv2-forward-grads; the runs are in
+    experiments/results/formulations/).
     """
     return _conv(x, w_hwio)
 

@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 
 from jdp.errors import ConfigError
+from jdp.types import PyTree
 
 if TYPE_CHECKING:
     from jdp.models import Model
 
-PyTree = Any
 
 # `precision` name (TrainConfig's, `--precision`) -> compute dtype (None: compute in the params' own float32).
 PRECISIONS: dict[str, Any] = {"float32": None, "bf16": jnp.bfloat16}

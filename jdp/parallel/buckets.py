@@ -15,9 +15,10 @@ import numpy as np
 from jax import lax
 
 from jdp.errors import ConfigError
+from jdp.parallel.cost import fused_cost
 from jdp.parallel.strategy import Allreduce
+from jdp.types import PyTree
 
-PyTree = Any
 # For each dtype in order of first appearance: (dtype, ((leaf index, shape after the lead axes), ...)).
 Layout = tuple[tuple[np.dtype, tuple[tuple[int, tuple[int, ...]], ...]], ...]
 
@@ -76,7 +77,7 @@ def fused(strategy: Allreduce, bucket_mb: float | None = None) -> Allreduce:
     for every leaf; one large buffer pays it once. Buckets of at most `bucket_mb` MB (2^20 bytes,
     like PyTorch DDP's `bucket_cap_mb` and Horovod's tensor fusion threshold) bound the extra
     memory. The sums stay those of `strategy`; the fused strategy has no halves (the sharded
-    optimizer ravels the gradients itself) and no state.
+    optimizer ravels the gradients itself) and no state; its cost is the strategy's on the buffers.
 
     Args:
       strategy: any stateless allreduce strategy.
@@ -92,6 +93,7 @@ def fused(strategy: Allreduce, bucket_mb: float | None = None) -> Allreduce:
         raise ConfigError(f"`bucket_mb` must be positive, got {bucket_mb}.")
     cap_bytes = None if bucket_mb is None else bucket_mb * 2**20
     name = f"{strategy.name}+fused" if bucket_mb is None else f"{strategy.name}+buckets{bucket_mb:g}MB"
+    cost = None if strategy.cost is None else fused_cost(strategy.cost, bucket_mb)
 
     if strategy.where == "inside":
 
@@ -101,7 +103,7 @@ def fused(strategy: Allreduce, bucket_mb: float | None = None) -> Allreduce:
             reduced = strategy.fn(to_buckets(leaves, layout, cap_bytes, lead=0), axis_name)
             return jax.tree.unflatten(treedef, from_buckets(reduced, layout, cap_bytes, lead=0))
 
-        return Allreduce(name, fn_inside, "inside")
+        return Allreduce(name, fn_inside, "inside", cost=cost)
 
     def fn_outside(tree: PyTree) -> PyTree:
         leaves, treedef = jax.tree.flatten(tree)
@@ -109,7 +111,7 @@ def fused(strategy: Allreduce, bucket_mb: float | None = None) -> Allreduce:
         buckets = _to_buckets_jit(leaves, layout, cap_bytes, 1)  # one dispatch; slices stay on their devices
         return jax.tree.unflatten(treedef, _from_buckets_jit(strategy.fn(buckets), layout, cap_bytes, 1))
 
-    return Allreduce(name, fn_outside, "outside")
+    return Allreduce(name, fn_outside, "outside", cost=cost)
 
 
 class Flat(NamedTuple):

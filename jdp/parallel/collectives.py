@@ -28,7 +28,6 @@ References:
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +35,8 @@ import numpy as np
 from jax import lax
 
 from jdp.errors import ConfigError
+from jdp.types import PyTree
 
-PyTree = Any
 Groups = tuple[tuple[int, ...], ...]  # device indices on the axis, cut into equal groups; None: one group of all
 
 

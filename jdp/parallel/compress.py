@@ -33,10 +33,10 @@ import numpy as np
 from jax import lax
 
 from jdp.errors import ConfigError, check_positive
-from jdp.parallel import allreduce as allreduce_lib
+from jdp.parallel.cost import cast_cost
 from jdp.parallel.strategy import Allreduce
+from jdp.types import PyTree
 
-PyTree = Any
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 MODES = ("none", "bf16", "fp16", "bf16-wire", "fp16-wire", "powersgd")
 
@@ -53,10 +53,11 @@ def low_precision(strategy: Allreduce, dtype: jnp.dtype) -> Allreduce:
     def up(sums, tree):
         return jax.tree.map(lambda s, x: s.astype(x.dtype), sums, tree)
 
+    cost = None if strategy.cost is None else cast_cost(strategy.cost, jnp.dtype(dtype).itemsize / 4)  # of float32
     if strategy.where == "inside":
-        return Allreduce(name, lambda tree, axis_name: up(strategy.fn(down(tree), axis_name), tree))
+        return Allreduce(name, lambda tree, axis_name: up(strategy.fn(down(tree), axis_name), tree), cost=cost)
     down_on_devices = jax.jit(down)  # one dispatch; each slice is cast on its own device
-    return Allreduce(name, lambda tree: up(strategy.fn(down_on_devices(tree)), tree), "outside")
+    return Allreduce(name, lambda tree: up(strategy.fn(down_on_devices(tree)), tree), "outside", cost=cost)
 
 
 # --- PowerSGD ---------------------------------------------------------------------------------
@@ -157,36 +158,31 @@ def _matrix(shape: Sequence[int]) -> tuple[int, int]:
 # --- choosing and measuring ------------------------------------------------------------------
 
 
-def get(name: str | Allreduce, *, fuse: bool = False, bucket_mb: float | None = None, compress: str = "none",
-        rank: int | None = None) -> Allreduce:
-    """The strategy `name`, sending in a low dtype if a `-wire` mode asks, fused if asked, then compressed.
-
-    `rank` is PowerSGD's (None: 1); other modes refuse one, as `bucket_mb` without `fuse` is refused.
-
-    Raises:
-      ConfigError: for an unknown mode, a `-wire` mode on a strategy without a low-precision wire
-        (`Allreduce.wire`), or a bad rank.
-    """
+def check_mode(compress: str, rank: int | None) -> None:
+    """Raises ConfigError for an unknown mode, or a rank given to a mode other than `powersgd`."""
     if compress not in MODES:
         raise ConfigError(f"`compress={compress}` is not a mode; choose one of: {', '.join(MODES)}.")
     if compress != "powersgd" and rank is not None:
         raise ConfigError(f"`powersgd_rank={rank}` applies to `compress=powersgd` only; add `compress=powersgd` "
                           "or drop `powersgd_rank`.")
-    strategy = allreduce_lib.get(name)
-    if compress.endswith("-wire"):
-        if strategy.wire is None:
-            wired = ", ".join(n for n in allreduce_lib.names() if allreduce_lib.get(n).wire is not None)
-            raise ConfigError(
-                f"`compress={compress}` sends low precision and adds in float32 at each hop of a strategy that can "
-                f"(`Allreduce.wire`); use `allreduce={wired}`, or `compress={compress[:4]}` to cast for any strategy."
-            )
-        strategy = strategy.wire(DTYPES[compress[:4]])
-    strategy = allreduce_lib.get(strategy, fuse=fuse, bucket_mb=bucket_mb)
-    if compress in ("none", "bf16-wire", "fp16-wire"):
-        return strategy
+
+
+def compressed(strategy: Allreduce, compress: str, rank: int | None = None) -> Allreduce:
+    """`strategy` wrapped by the cast or PowerSGD of mode `compress` (`none` and the `-wire` modes, which
+    the strategy's own `wire` serves before fusion, leave it as it is); `rank` is PowerSGD's (None: 1)."""
+    check_mode(compress, rank)
     if compress == "powersgd":
         return powersgd(strategy, 1 if rank is None else rank)
-    return low_precision(strategy, DTYPES[compress])
+    if compress in DTYPES:
+        return low_precision(strategy, DTYPES[compress])
+    return strategy
+
+
+def __getattr__(name: str) -> Any:
+    if name == "get":  # removed after 0.1.0; see docs/api.md
+        raise AttributeError("`jdp.parallel.compress.get` is now `jdp.get_allreduce(name, fuse=..., bucket_mb=..., "
+                             "compress=..., rank=...)`, the one lookup of a strategy.")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def payload_bytes(grads: PyTree, compress: str = "none", rank: int | None = None) -> int:
@@ -198,7 +194,7 @@ def payload_bytes(grads: PyTree, compress: str = "none", rank: int | None = None
 
     Args:
       grads: a gradient-shaped tree (arrays or `jax.ShapeDtypeStruct`s), one device's.
-      compress, rank: as for `get`.
+      compress, rank: as for `compressed`.
     """
     sent: list[Any] = []
 
@@ -206,7 +202,7 @@ def payload_bytes(grads: PyTree, compress: str = "none", rank: int | None = None
         sent.extend(jax.tree.leaves(tree))
         return tree
 
-    strategy = get(Allreduce("record", record), compress=compress.removesuffix("-wire"), rank=rank)
+    strategy = compressed(Allreduce("record", record), compress.removesuffix("-wire"), rank)
     if not strategy.stateful:
         jax.eval_shape(lambda g: strategy.fn(g, "unused"), grads)
     else:

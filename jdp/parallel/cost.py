@@ -1,4 +1,4 @@
-"""What each allreduce algorithm costs in the α–β–γ model, and the fit of α, β, γ to measured times.
+"""What each allreduce algorithm costs in the α–β–γ model (fitted to measured times by `jdp.bench.fit`).
 
 One allreduce of N bytes per device on k devices takes
 
@@ -9,7 +9,7 @@ m the messages on the critical path (each pays a latency α), b the bytes the bu
 Gropp (2005, §4) give these for MPICH's algorithms; Patarasuk & Yuan (2009) prove the ring's b is
 the least any allreduce can send; NCCL's docs and nccl-tests' doc/PERFORMANCE.md use the ring's
 2(k−1)/k factor for bus bandwidth. The counts below are what jdp's code sends
-(`jdp.parallel.collectives`, `jdp.parallel.copies`), p the largest power of two ≤ k, e = [k > p]:
+(`jdp.parallel.collectives`, `jdp.parallel.transfers`), p the largest power of two ≤ k, e = [k > p]:
 
 ===================  ===========================  ==========================  ========================
 strategy             m (sequential messages)      b (bytes sent per device)   r (bytes reduced)
@@ -27,13 +27,14 @@ through one device of each node; the tree's steps at distance ≥ L cross with a
 node at once, 2(1 − L/p)·N of its bytes; the hierarchical allreduce's outer level has all L
 devices of a node sending N/L-byte chunks at once. Devices sending at once share the node's NICs.
 
-Wrappers change the counts: `+fused` sends one buffer (one set of m) instead of one per leaf,
-`+buckets<M>MB` one per bucket of ≤ M MiB; a `+bfloat16-wire` ring sends half the bytes but adds
-in float32 (b halves, r does not; in `hierarchical`, its outer ring's b only); `+bfloat16` casts
-before the allreduce (b and r halve).
+Wrappers change the counts: `fused` sends one buffer (one set of m) instead of one per leaf, or
+one per bucket of ≤ M MiB; a low-precision wire (`Allreduce.wire`, `+bfloat16-wire`) sends half
+the bytes but adds in float32 (b halves, r does not; in `hierarchical`, its outer ring's b only);
+a cast (`low_precision`, `+bfloat16`) hands the strategy half the bytes (b and r halve).
 
-In every algorithm r = b/2, so γ and β cannot be told apart from one algorithm's times: the fit
-keeps γ only if its column is independent of the others and folds it into β otherwise.
+A cost is a capability of the strategy value (`Allreduce.cost`, a `Cost`), built here for jdp's
+algorithms and transformed by each wrapper, so `jdp predict` and the fit price any strategy,
+one a plugin registered included, without reading its name.
 
 Simulated CPU devices have no links: every "transfer" is a copy in the one host's memory, which
 all k devices share. There the right b is the bytes all devices send, which is 2(k−1)·N for
@@ -45,19 +46,12 @@ References:
   NVIDIA, nccl-tests doc/PERFORMANCE.md (bus bandwidth); NCCL user guide (ring and tree algorithms).
 """
 
-import itertools
 import math
-import re
-import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
-import numpy as np
-
-from jdp.parallel.allreduce import HIERARCHICAL_NAME
-
-_FLOAT32 = 4
-_SMALL_DTYPES = {"bfloat16": 2, "float16": 2}
+Levels = dict[str, "Terms"]  # {"intra": within a node, "inter": across nodes}
 
 
 @dataclass(frozen=True)
@@ -74,6 +68,11 @@ class Terms:
         return Terms(self.messages + other.messages, self.bytes_sent + other.bytes_sent,
                      self.bytes_reduced + other.bytes_reduced, self.bytes_total + other.bytes_total,
                      max(self.concurrent, other.concurrent))
+
+    def scaled(self, sent: float = 1.0, concurrent: float | None = None) -> "Terms":
+        """The same messages and additions with the bytes sent (and carried in all) × `sent`; `concurrent` if given."""
+        return Terms(self.messages, self.bytes_sent * sent, self.bytes_reduced, self.bytes_total * sent,
+                     self.concurrent if concurrent is None else concurrent)
 
 
 @dataclass(frozen=True)
@@ -93,6 +92,24 @@ class Link:
     ports: int = 1
 
 
+class Cost(NamedTuple):
+    """What one allreduce of a strategy costs: a capability of the strategy (`jdp.Allreduce.cost`).
+
+    Attributes:
+      terms: `terms(k, leaf_bytes, per_node) -> {"intra": Terms, "inter": Terms}` for k devices, the
+        buffers the strategy is handed (bytes per device, one per leaf), and L = `per_node` devices
+        per node (None: no grouping given, all k on one node for a flat algorithm). None where the
+        strategy cannot be priced so: one that needs a grouping (`hierarchical`) without one, or k
+        not a whole number of its groups.
+      fits: the algorithms whose fitted α, β, γ (`jdp bench allreduce --fit`) price it, in order of
+        preference: its own first (wrappers keep it), then a stand-in where a sweep did not time it;
+        () for none (then only a cluster preset prices it).
+    """
+
+    terms: Callable[[int, Sequence[float], int | None], Levels | None]
+    fits: tuple[str, ...] = ()
+
+
 def flat_terms(algorithm: str, k: int, nbytes: float) -> Terms:
     """m, b, r of `algorithm` (star, ring or tree) on k devices, N = `nbytes` per device."""
     if k <= 1 or nbytes <= 0:
@@ -110,100 +127,90 @@ def flat_terms(algorithm: str, k: int, nbytes: float) -> Terms:
     raise ValueError(f"no flat algorithm `{algorithm}`")
 
 
-_FLAT = {"manual": "star", "manual_ring": "ring", "ring": "ring", "psum": "ring", "tree": "tree"}
+def flat(algorithm: str, name: str) -> Cost:
+    """The cost of a flat algorithm ("star", "ring" or "tree") run once per buffer, fitted as `name`.
 
-
-@dataclass(frozen=True)
-class Formula:
-    """A strategy name read as its algorithm and wrappers: what `terms` computes from."""
-
-    algorithm: str  # star, ring or tree; for hierarchical, the outer one
-    hierarchical: bool = False
-    wire_bytes: int = _FLOAT32  # the itemsize sent
-    reduce_bytes: int = _FLOAT32  # the itemsize added
-    fused: bool = False
-    bucket_mb: float | None = None
-    hosts: int | None = None  # hierarchical with its grouping in the name (`hierarchical:2x4`): H
-
-
-def formula(name: str) -> Formula | None:
-    """`ring+bfloat16-wire`, `tree+fused`, `hierarchical:tree`, … → its Formula; None if jdp has none
-    (e.g. powersgd, or a plugin's strategy), so a caller can skip it."""
-    base, *wrappers = name.split("+")
-    hosts = None
-    if hierarchical := HIERARCHICAL_NAME.fullmatch(base):
-        algorithm = _FLAT[hierarchical["outer"] or "ring"]
-        hosts = None if hierarchical["hosts"] is None else int(hierarchical["hosts"])
-    else:
-        algorithm = _FLAT.get(base)
-    if algorithm is None:
-        return None
-    wire = reduce = _FLOAT32
-    fused, bucket_mb = False, None
-    for wrapper in wrappers:
-        if wrapper == "fused":
-            fused = True
-        elif match := re.fullmatch(r"buckets([\d.]+)MB", wrapper):
-            fused, bucket_mb = True, float(match.group(1))
-        elif wrapper.endswith("-wire") and wrapper[:-5] in _SMALL_DTYPES:
-            wire = _SMALL_DTYPES[wrapper[:-5]]
-        elif wrapper in _SMALL_DTYPES:
-            wire = reduce = _SMALL_DTYPES[wrapper]
-        else:
-            return None
-    return Formula(algorithm, hierarchical is not None, wire, reduce, fused, bucket_mb, hosts)
-
-
-def buffers(f: Formula, leaf_bytes: Sequence[float]) -> list[float]:
-    """The float32 buffers the strategy allreduces: one per leaf, one in all (fused), or buckets."""
-    if not f.fused:
-        return [b for b in leaf_bytes if b > 0]
-    total = float(sum(leaf_bytes))
-    if f.bucket_mb is None:
-        return [total] if total else []
-    cap = f.bucket_mb * 2**20
-    full, rest = divmod(total, cap)
-    return [cap] * int(full) + ([rest] if rest else [])
-
-
-def terms(name: str, k: int, leaf_bytes: Sequence[float] | float, per_node: int | None = None
-          ) -> dict[str, Terms] | None:
-    """m, b, r of strategy `name` on k devices, per link level ("intra" within a node, "inter" across).
-
-    Args:
-      name: a strategy name (see `formula`).
-      k: devices.
-      leaf_bytes: the float32 gradient's leaves in bytes (or one buffer's bytes).
-      per_node: devices per node (L); None: all k on one node. A flat algorithm spanning nodes runs
-        at the pace of its slowest link, the inter-node one; `hierarchical` needs k a multiple of L.
-
-    Returns:
-      {"intra": Terms, "inter": Terms}, or None if `name` has no formula.
+    Spanning nodes of L devices (numbered node by node), the ring and the star's root cross
+    between nodes through one device of a node at a time, all at the inter-node link's pace; the
+    tree's steps at distance ≥ L cross with all L devices of a node at once (`_tree_across_nodes`).
     """
-    f = formula(name)
-    if f is None:
-        return None
-    leaves = [leaf_bytes] if isinstance(leaf_bytes, (int, float)) else list(leaf_bytes)
-    local = min(k, per_node or k)
-    intra, inter = Terms(), Terms()
-    for nbytes in buffers(f, leaves):
-        if f.hierarchical:
-            if k % local:
-                raise ValueError(f"hierarchical needs whole nodes: {k} devices, {local} per node")
-            hosts = k // local  # H nodes' rings of L, then L outer allreduces of N/L over H devices
-            inner = replace(f, wire_bytes=f.reduce_bytes)  # a wire dtype is the outer strategy's
-            intra += _scaled(_times(flat_terms("ring", local, nbytes), hosts), inner)
-            outer = _times(flat_terms(f.algorithm, hosts, nbytes / local), local)
-            inter += _scaled(Terms(outer.messages, outer.bytes_sent, outer.bytes_reduced, outer.bytes_total, local), f)
-        elif local == k:
-            intra += _scaled(flat_terms(f.algorithm, k, nbytes), f)
-        elif f.algorithm == "tree":
-            near, far = _tree_across_nodes(k, local, nbytes)
-            intra += _scaled(near, f)
-            inter += _scaled(far, f)
-        else:  # the ring (numbered node by node) and the star's root: one device of a node crosses at a time
-            inter += _scaled(flat_terms(f.algorithm, k, nbytes), f)
-    return {"intra": intra, "inter": inter}
+
+    def terms(k: int, leaf_bytes: Sequence[float], per_node: int | None) -> Levels:
+        local = min(k, per_node or k)
+        intra, inter = Terms(), Terms()
+        for nbytes in leaf_bytes:
+            if nbytes <= 0:
+                continue
+            if local == k:
+                intra += flat_terms(algorithm, k, nbytes)
+            elif algorithm == "tree":
+                near, far = _tree_across_nodes(k, local, nbytes)
+                intra, inter = intra + near, inter + far
+            else:
+                inter += flat_terms(algorithm, k, nbytes)
+        return {"intra": intra, "inter": inter}
+
+    return Cost(terms, (name,))
+
+
+def hierarchical(outer: str, shape: tuple[int, int] | None, name: str) -> Cost:
+    """The two-level allreduce's cost: rings of L within each node, then `outer` ("ring" or "tree")
+    over the H nodes on N/L-byte chunks, all L devices of a node at once.
+
+    L is `shape`'s (H, L) if given (k must then be H·L), else the caller's `per_node`; without
+    either it cannot be priced (None). Fitted as `name`, else as the ring.
+    """
+
+    def terms(k: int, leaf_bytes: Sequence[float], per_node: int | None) -> Levels | None:
+        if shape is not None:
+            if shape[0] * shape[1] != k:
+                return None
+            per_node = shape[1]
+        if per_node is None:
+            return None
+        local = min(k, per_node)
+        if k % local:
+            return None
+        hosts = k // local
+        intra, inter = Terms(), Terms()
+        for nbytes in filter(lambda b: b > 0, leaf_bytes):
+            intra += _times(flat_terms("ring", local, nbytes), hosts)
+            inter += _times(flat_terms(outer, hosts, nbytes / local), local).scaled(concurrent=local)
+        return {"intra": intra, "inter": inter}
+
+    return Cost(terms, (name, "ring"))
+
+
+def fused_cost(cost: Cost, bucket_mb: float | None) -> Cost:
+    """`cost` of the leaves raveled into one buffer, or buckets of at most `bucket_mb` MiB (`jdp.fused`)."""
+
+    def buffers(leaf_bytes: Sequence[float]) -> list[float]:
+        total = float(sum(leaf_bytes))
+        if bucket_mb is None:
+            return [total] if total else []
+        cap = bucket_mb * 2**20
+        full, rest = divmod(total, cap)
+        return [cap] * int(full) + ([rest] if rest else [])
+
+    return Cost(lambda k, leaf_bytes, per_node: cost.terms(k, buffers(leaf_bytes), per_node), cost.fits)
+
+
+def cast_cost(cost: Cost, ratio: float) -> Cost:
+    """`cost` of buffers cast before the allreduce to `ratio` of their bytes (`jdp.low_precision`)."""
+    return Cost(lambda k, leaf_bytes, per_node: cost.terms(k, [b * ratio for b in leaf_bytes], per_node), cost.fits)
+
+
+def wire_cost(cost: Cost, ratio: float, levels: Sequence[str] = ("intra", "inter")) -> Cost:
+    """`cost` with every message on `levels` sent in `ratio` of its bytes, the additions in the buffer's
+    own dtype (`Allreduce.wire`): b scales, r does not."""
+
+    def terms(k: int, leaf_bytes: Sequence[float], per_node: int | None) -> Levels | None:
+        full = cost.terms(k, leaf_bytes, per_node)
+        if full is None:
+            return None
+        return {level: t.scaled(sent=ratio) if level in levels else t for level, t in full.items()}
+
+    return Cost(terms, cost.fits)
 
 
 def _tree_across_nodes(k: int, local: int, nbytes: float) -> tuple[Terms, Terms]:
@@ -216,7 +223,7 @@ def _tree_across_nodes(k: int, local: int, nbytes: float) -> tuple[Terms, Terms]
     whole = flat_terms("tree", k, nbytes)
     p = 1 << (k.bit_length() - 1)
     if p % local:  # nodes not aligned with the exchange's halves: price every step across nodes
-        return Terms(), Terms(whole.messages, whole.bytes_sent, whole.bytes_reduced, whole.bytes_total, local)
+        return Terms(), whole.scaled(concurrent=local)
     near = Terms(2 * math.log2(local), 2 * (local - 1) / p * nbytes, (local - 1) / p * nbytes,
                  k * 2 * (local - 1) / p * nbytes)
     return near, Terms(whole.messages - near.messages, whole.bytes_sent - near.bytes_sent,
@@ -226,13 +233,6 @@ def _tree_across_nodes(k: int, local: int, nbytes: float) -> tuple[Terms, Terms]
 def _times(t: Terms, groups: int) -> Terms:
     """`groups` copies of one group's allreduce running at once: the same critical path, more bytes in all."""
     return Terms(t.messages, t.bytes_sent, t.bytes_reduced, t.bytes_total * groups, t.concurrent)
-
-
-def _scaled(t: Terms, f: Formula) -> Terms:
-    """The float32 counts with the bytes sent and added in the strategy's own itemsizes."""
-    wire = f.wire_bytes / _FLOAT32
-    return Terms(t.messages, t.bytes_sent * wire, t.bytes_reduced * f.reduce_bytes / _FLOAT32, t.bytes_total * wire,
-                 t.concurrent)
 
 
 def seconds(levels: dict[str, Terms], intra: Link, inter: Link, gamma: float = 0.0) -> float:
@@ -247,118 +247,11 @@ def seconds(levels: dict[str, Terms], intra: Link, inter: Link, gamma: float = 0
     return total
 
 
-# --- the fit ------------------------------------------------------------------------------------
+_MOVED = {"formula": "`jdp.get_allreduce(name).cost`", "terms": "`jdp.get_allreduce(name).cost.terms(k, leaf_bytes, "
+          "per_node)`", **{name: f"`jdp.bench.fit.{name}`" for name in ("nnls", "features", "fit", "predict_us", "fit_all")}}
 
 
-def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares for a few columns: the best of every subset's least squares that
-    keeps all coefficients ≥ 0 (exact, as the optimum is an unconstrained fit on its support)."""
-    n = a.shape[1]
-    best, best_cost = np.zeros(n), float(np.sum(y**2))
-    for size in range(1, n + 1):
-        for support in itertools.combinations(range(n), size):
-            cols = list(support)
-            x, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
-            if np.all(x >= 0):
-                full = np.zeros(n)
-                full[cols] = x
-                cost = float(np.sum((a @ full - y) ** 2))
-                if cost < best_cost - 1e-18 * max(best_cost, 1.0):
-                    best, best_cost = full, cost
-    return best
-
-
-def features(row: dict, shared: bool = False) -> tuple[float, float, float] | None:
-    """(m, b, r) of a `jdp bench allreduce` row, all levels on the one link measured; None if no formula.
-
-    With `shared`, b is the bytes all devices send (see `Link`). A hierarchical row needs `hosts`
-    (H), or a name with its grouping (`hierarchical:2x4`), to split its k devices into H × k/H.
-    """
-    name, k = row["algorithm"], row["devices"]
-    f = formula(name)
-    hosts = None if f is None else f.hosts or row.get("hosts")
-    if f is None or (f.hierarchical and hosts is None):
-        return None
-    per_node = k // hosts if f.hierarchical else None
-    levels = terms(name, k, row["size_bytes"], per_node)
-    total = levels["intra"] + levels["inter"]
-    if shared:  # the same cores copy and add: the additions' time is inside β
-        return total.messages, total.bytes_total, 0.0
-    return total.messages, total.bytes_sent, total.bytes_reduced
-
-
-def fit(rows: Sequence[dict], shared: bool = False) -> dict:
-    """α, β, γ ≥ 0 of one algorithm from its rows (time_us over sizes × device counts).
-
-    Least squares on relative error (each row divided by its time), so a 4 KiB buffer counts as
-    much as a 64 MiB one. γ is fitted only if bytes reduced is not a multiple of bytes sent.
-    `shared`: the link is one medium all devices' bytes cross (see `Link`).
-
-    Returns:
-      alpha_s, beta_s_per_byte, gamma_s_per_byte, gamma_fitted, rows, and residuals: each row's
-      devices, size_bytes, measured_us, predicted_us and relative_error.
-    """
-    x = np.array([features(r, shared) for r in rows], dtype=float)
-    t = np.array([r["time_us"] * 1e-6 for r in rows])
-    with_gamma = np.linalg.matrix_rank(x / np.linalg.norm(x, axis=0).clip(1e-300), tol=1e-9) == 3
-    design = x if with_gamma else x[:, :2]
-    coef = nnls(design / t[:, None], np.ones_like(t))
-    alpha, beta = coef[0], coef[1]
-    gamma = coef[2] if with_gamma else 0.0
-    predicted = x @ np.array([alpha, beta, gamma])
-    return {
-        "alpha_s": float(alpha), "beta_s_per_byte": float(beta), "gamma_s_per_byte": float(gamma),
-        "gamma_fitted": bool(with_gamma), "shared": shared, "rows": len(rows),
-        "residuals": [{"devices": r["devices"], "size_bytes": r["size_bytes"], "measured_us": r["time_us"],
-                       "predicted_us": float(p * 1e6), "relative_error": float(p / m - 1)}
-                      for r, p, m in zip(rows, predicted, t)],
-    }
-
-
-def predict_us(model: dict, row: dict) -> float:
-    """A fitted algorithm's time in µs for a row's (algorithm, devices, size_bytes[, hosts])."""
-    m, b, r = features(row, model["shared"])
-    return (m * model["alpha_s"] + b * model["beta_s_per_byte"] + r * model["gamma_s_per_byte"]) * 1e6
-
-
-def fit_all(rows: Sequence[dict], held_out: int | None = None, shared: bool = False, say=print) -> dict:
-    """Fits every algorithm in `rows`; with `held_out`, on the other device counts, and predicts that one.
-
-    `shared`: the devices share one link (simulated CPU devices share the host's memory; see `Link`).
-
-    Algorithms with no formula (or too few rows) are skipped with one line through `say`.
-
-    Returns:
-      {"algorithms": {name: fit}, "held_out": None or {"devices", "per_algorithm": {name: {median, worst,
-      errors}}, "median_relative_error", "worst_relative_error"}}.
-    """
-    by_name: dict[str, list[dict]] = {}
-    for r in rows:  # one fit for a hierarchical algorithm over its groupings (`hierarchical:2x2`, `:2x4`, ...)
-        by_name.setdefault(re.sub(r":\d+x\d+", "", r["algorithm"]), []).append(r)
-    fits, held = {}, {}
-    for name, mine in by_name.items():
-        if features(mine[0]) is None:
-            why = ("its rows do not say how many hosts (`hosts`) its devices are on" if formula(name)
-                   else "no cost formula for it in jdp.parallel.cost")
-            say(f"fit: skipping `{name}`: {why}")
-            continue
-        train = [r for r in mine if r["devices"] != held_out]
-        if len(train) < 2:
-            say(f"fit: skipping `{name}`: {len(train)} row(s) to fit")
-            continue
-        fits[name] = fit(train, shared)
-        test = [r for r in mine if r["devices"] == held_out]
-        if test:
-            errors = [predict_us(fits[name], r) / r["time_us"] - 1 for r in test]
-            held[name] = {"median_relative_error": statistics.median(map(abs, errors)),
-                          "worst_relative_error": max(map(abs, errors)),
-                          "errors": [{"size_bytes": r["size_bytes"], "measured_us": r["time_us"],
-                                      "predicted_us": predict_us(fits[name], r), "relative_error": e}
-                                     for r, e in zip(test, errors)]}
-    record: dict = {"link": "shared" if shared else "per-device", "algorithms": fits, "held_out": None}
-    if held:
-        every = [abs(e["relative_error"]) for h in held.values() for e in h["errors"]]
-        record["held_out"] = {"devices": held_out, "fitted_on": sorted({r["devices"] for r in rows} - {held_out}),
-                              "per_algorithm": held, "median_relative_error": statistics.median(every),
-                              "worst_relative_error": max(every)}
-    return record
+def __getattr__(name: str):
+    if name in _MOVED:  # removed after 0.1.0; see docs/api.md
+        raise AttributeError(f"`jdp.parallel.cost.{name}` is now {_MOVED[name]}: a strategy carries its own cost.")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

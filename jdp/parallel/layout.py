@@ -33,8 +33,8 @@ from jax.sharding import PartitionSpec as P
 
 from jdp.errors import ConfigError, DeviceError
 from jdp.runtime.devices import AXIS, mesh
+from jdp.types import PyTree
 
-PyTree = Any
 Backend = Literal["pmap", "shard_map"]
 BACKENDS: tuple[Backend, ...] = ("pmap", "shard_map")
 Kind = Literal["replicated", "per_device", "batch"]

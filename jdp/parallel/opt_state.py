@@ -27,11 +27,11 @@ import numpy as np
 from jdp.parallel.buckets import Flat, plan
 from jdp.parallel.layout import Backend, Kinds, copies, fetch, place
 from jdp.parallel.strategy import Allreduce
+from jdp.types import PyTree
 
 if TYPE_CHECKING:
     import optax
 
-PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

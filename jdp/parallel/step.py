@@ -10,7 +10,7 @@ local sync mode (`jdp.parallel.sync`) each device steps alone, on its own params
 """
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +24,11 @@ from jdp.parallel.opt_state import OptState
 from jdp.parallel.strategy import Allreduce
 from jdp.parallel.sync import Sync
 from jdp.runtime.devices import AXIS
+from jdp.types import PyTree
 
 if TYPE_CHECKING:
     import optax
 
-PyTree = Any
 LossFn = Callable[[PyTree, jax.Array, jax.Array], jax.Array]
 # (params, state, images, labels) -> (summed loss, new state): a model with state such as BatchNorm's statistics
 StatefulLossFn = Callable[[PyTree, PyTree, jax.Array, jax.Array], tuple[jax.Array, PyTree]]

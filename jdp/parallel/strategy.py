@@ -15,7 +15,9 @@ of recognising strategies by name:
   (ZeRO) calls with the optimizer update between them;
 * per-device state, ``init``: kept on each device from one step to the next (PowerSGD's error
   feedback), which the step carries in its optimizer state (`jdp.parallel.opt_state`);
-* a low-precision ``wire``: the same algorithm sending a narrower dtype but adding in the buffer's own.
+* a low-precision ``wire``: the same algorithm sending a narrower dtype but adding in the buffer's own;
+* a ``cost`` (`jdp.parallel.cost.Cost`): its messages and bytes per device for k devices, per link
+  level, which `jdp predict` and the fit of `jdp bench allreduce` read (wrappers transform it).
 """
 
 from collections.abc import Callable
@@ -25,8 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from jdp.errors import ConfigError
+from jdp.parallel.cost import Cost
+from jdp.types import PyTree
 
-PyTree = Any
 Where = Literal["inside", "outside"]
 PLACES: tuple[Where, ...] = ("inside", "outside")
 
@@ -52,6 +55,9 @@ class Allreduce(NamedTuple):
         (k, c) in, (k, k·c) out. A reduce-scatter then an all-gather is an allreduce.
       wire: None, or `wire(dtype) -> Allreduce`: the same algorithm sending every message in `dtype`
         but adding in the buffer's own dtype (`--compress bf16-wire`).
+      cost: None, or its `jdp.parallel.cost.Cost`: `cost.terms(k, leaf_bytes, per_node)`, the
+        messages and bytes one device sends (and adds) per link level for k devices; what
+        `jdp predict` prices a strategy by. The wrappers (`fused`, `low_precision`, `wire`) carry it.
     """
 
     name: str
@@ -61,6 +67,7 @@ class Allreduce(NamedTuple):
     reduce_scatter: Callable[..., jax.Array] | None = None
     all_gather: Callable[..., jax.Array] | None = None
     wire: Callable[[jnp.dtype], "Allreduce"] | None = None
+    cost: Cost | None = None
 
     @property
     def has_halves(self) -> bool:

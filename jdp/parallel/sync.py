@@ -15,7 +15,7 @@ with bit-identical params. The outer optimizer's state and θ are part of the op
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -24,11 +24,11 @@ from jdp.parallel.layout import Backend, map_over_devices
 from jdp.parallel.opt_state import OptState
 from jdp.parallel.strategy import Allreduce
 from jdp.runtime.devices import AXIS
+from jdp.types import PyTree
 
 if TYPE_CHECKING:
     import optax
 
-PyTree = Any
 SYNC_MODES = ("every-step", "local-sgd", "diloco")
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 DEFAULT_EVERY = 16  # H when a local mode is chosen without one

@@ -1,19 +1,20 @@
 """What kind of machine this is, as far as speed goes: CPU model, vector instructions, cores, device kind.
 
-Measured speeds (the committed baselines, the formulation table) are keyed by it: VMs that report
-the same EPYC model with and without AVX-512 ran the lesson's PyTorch code at ~2,600 and ~4,700 img/s.
-Reading /proc/cpuinfo is the I/O; `matches` and `best_match` are pure.
+Measured speeds (the committed baselines, the formulation table: `jdp.runtime.measurements`) are
+keyed by it: VMs that report the same EPYC model with and without AVX-512 run at different speeds
+(experiments/results/bench-train/baselines.json). Reading /proc/cpuinfo is the I/O; `matches` and
+`best_match` are pure.
 """
 
 import os
 import platform
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 T = TypeVar("T")
 
 
-class Kind(NamedTuple):
+class MachineKind(NamedTuple):
     """A machine kind. In a known kind (a table's key), `cpu=None` stands for any CPU model with that
     vector ISA and core count: a kind seen only through someone else's measurement, its model string unknown."""
 
@@ -45,18 +46,18 @@ def vector_isa(flags: Sequence[str]) -> str:
     return "other" if have else "unknown"
 
 
-def this_kind(device_kind: str) -> Kind:
+def this_kind(device_kind: str) -> MachineKind:
     """This host's kind, for devices of `device_kind`."""
     cpu, flags = cpu_model_and_flags()
-    return Kind(cpu, vector_isa(flags), os.cpu_count() or 1, device_kind)
+    return MachineKind(cpu, vector_isa(flags), os.cpu_count() or 1, device_kind)
 
 
-def matches(known: Kind, kind: Kind) -> bool:
+def matches(known: MachineKind, kind: MachineKind) -> bool:
     """Whether `kind` (a real machine) is the `known` one (a table's key, whose `cpu` may be None: any)."""
     return known.cpu in (None, kind.cpu) and known[1:] == kind[1:]
 
 
-def best_match(items: Iterable[T], key: Callable[[T], Kind], kind: Kind) -> T | None:
+def best_match(items: Iterable[T], key: Callable[[T], MachineKind], kind: MachineKind) -> T | None:
     """The first of `items` whose `key` matches `kind`, one naming the CPU model before one that does not."""
     found = [item for item in items if matches(key(item), kind)]
     return next((item for item in found if key(item).cpu is not None), found[0] if found else None)
@@ -69,3 +70,9 @@ def read_or_empty(path: str) -> str:
             return f.read()
     except OSError:
         return ""
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Kind":  # renamed after 0.1.0 (`Kind` is a placement kind in jdp.parallel.layout); see docs/api.md
+        raise AttributeError("`jdp.runtime.machine_kind.Kind` is now `MachineKind`.")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,8 +25,7 @@ import jax
 import numpy as np
 
 from jdp.errors import ConfigError, DataError, check_positive
-
-PyTree = Any
+from jdp.types import PyTree
 
 KEEP = 2  # checkpoints kept: the newest and, should it be damaged later, the one before
 MAGIC = b"jdp-checkpoint v1\n"

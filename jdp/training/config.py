@@ -8,6 +8,7 @@ import jax
 from jdp import models
 from jdp.errors import ConfigError, check_positive
 from jdp.models import Model, precision
+from jdp.parallel import allreduce as allreduce_lib
 from jdp.parallel import compress as compress_lib
 from jdp.parallel import sync as sync_lib
 from jdp.parallel.layout import check_backend, check_divisible, copies
@@ -16,11 +17,11 @@ from jdp.parallel.step import check_strategy
 from jdp.parallel.strategy import Allreduce
 from jdp.training import formulation, optimizers
 from jdp.training.evaluate import EVAL_ON
+from jdp.types import PyTree
 
 if TYPE_CHECKING:
     import optax
 
-PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +122,8 @@ class TrainConfig:
 
     def strategy(self) -> Allreduce:
         """The allreduce strategy, fused and compressed if asked."""
-        return compress_lib.get(self.allreduce, fuse=self.fuse, bucket_mb=self.bucket_mb, compress=self.compress,
-                                rank=self.powersgd_rank)
+        return allreduce_lib.get(self.allreduce, fuse=self.fuse, bucket_mb=self.bucket_mb, compress=self.compress,
+                                 rank=self.powersgd_rank)
 
     def opt_state(self, trainable: PyTree, device_count: int) -> OptState:
         """How this run keeps its optimizer state for `trainable` params on `device_count` devices."""

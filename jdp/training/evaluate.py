@@ -5,7 +5,6 @@ summed with `lax.psum`, or (the lesson's way) the first device evaluates everyth
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +13,8 @@ import numpy as np
 from jdp.parallel.inflight import InFlight
 from jdp.parallel.layout import Backend, check_backend, map_over_devices, process_rows, shard_rows, unreplicate
 from jdp.runtime.devices import AXIS
+from jdp.types import PyTree
 
-PyTree = Any
 ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
 EVAL_ON = ("all", "device0")  # split over all devices, or the lesson's way: the first device only
 

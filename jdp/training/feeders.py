@@ -44,8 +44,8 @@ from jdp.parallel.layout import (
 from jdp.parallel.step import TrainStep
 from jdp.runtime.devices import AXIS
 from jdp.training.tally import Fold, Tally, make_fold
+from jdp.types import PyTree
 
-PyTree = Any
 Carry = tuple[PyTree, PyTree, Tally]  # (params, opt_state, tally) on the devices
 Progress = Callable[[Iterable, int], Iterable]
 # after_call(steps, carry): called after each compiled call of `steps` steps is dispatched (guards, checkpoints)

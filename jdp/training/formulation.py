@@ -2,7 +2,8 @@
 
 The table maps a machine kind (CPU model, vector ISA, cores, device kind: `jdp.runtime.machine_kind`)
 and a device count to the formulation `jdp bench formulations --write-table` measured fastest there.
-jdp ships entries for the kinds measured so far (`COMMITTED`, each citing its measurement);
+jdp ships entries for the kinds measured so far (`committed()`, read from
+experiments/results/formulations/table.json, each entry citing its measurement);
 `--write-table` adds this machine's to a user cache (`$JDP_CACHE_DIR/formulations.json`, else
 `~/.cache/jdp/formulations.json`), whose entry wins over a committed one of the same kind and count.
 A kind or device count in neither table gets `fast`, the formulation every run had before `auto`.
@@ -13,6 +14,7 @@ checkpoint records, whatever the table or the machine says now, so rounding neve
 """
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -21,7 +23,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from jdp.errors import ConfigError, DataError
 from jdp.models.lenet_fast import FORMULATIONS
-from jdp.runtime.machine_kind import Kind, best_match, this_kind
+from jdp.runtime import measurements
+from jdp.runtime.machine_kind import MachineKind, best_match, this_kind
 
 if TYPE_CHECKING:
     import jax
@@ -33,7 +36,7 @@ CACHE_ENV, CACHE_FILE = "JDP_CACHE_DIR", "formulations.json"
 class Entry(NamedTuple):
     """The fastest formulation measured on `devices` devices of a machine kind, and where that was measured."""
 
-    kind: Kind
+    kind: MachineKind
     devices: int
     formulation: str
     source: str
@@ -44,25 +47,21 @@ class Entry(NamedTuple):
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> "Entry":
-        return cls(Kind(value["cpu"], value["vector_isa"], int(value["host_cpus"]), value["device_kind"]),
+        return cls(MachineKind(value["cpu"], value["vector_isa"], int(value["host_cpus"]), value["device_kind"]),
                    int(value["devices"]), value["formulation"], value["source"])
 
 
-_AMD_AVX2 = Kind("AMD EPYC", "avx2", 2, "cpu")
-_AMD_AVX512_BF16 = Kind("AMD EPYC", "avx512_bf16", 2, "cpu")
-_INTEL_AMX = Kind(None, "amx_bf16", 2, "cpu")  # its CPU model string was not recorded
+COMMITTED_TABLE = "formulations/table.json"  # under experiments/results/
 
-# The kinds measured so far. An entry naming `fast` records that nothing measured beat it there.
-COMMITTED: tuple[Entry, ...] = (
-    Entry(_AMD_AVX2, 1, "fast", "experiments/results/formulations/avx2 (2026-12-03): split-2 1.04x, split-4 "
-          "1.07x fast in one 7-round run, within that VM's run-to-run noise"),
-    Entry(_AMD_AVX512_BF16, 1, "fast", "experiments/results/formulations/avx512-bf16 (2026-12-04, JAX 0.12.0.1): "
-          "--write-table, median of 5 rounds: split-2 0.98x, split-4 1.03x fast"),
-    Entry(_AMD_AVX512_BF16, 2, "fast", "experiments/results/formulations/avx512-bf16 (2026-12-04, JAX 0.12.0.1): "
-          "--write-table, median of 5 rounds: split-2 0.95x, split-4 0.94x fast"),
-    Entry(_INTEL_AMX, 1, "split-4", "issue 26 (its author's run, JAX 0.12.0.1): jdp bench formulations "
-          "--cpu-devices 1 --rounds 3, fast 28.0, split-2 22.3 (1.26x), split-4 21.7 ms/step (1.29x)"),
-)
+
+@functools.cache
+def committed() -> tuple[Entry, ...]:
+    """The entries jdp ships: the machine kinds measured so far (`jdp.runtime.measurements`).
+
+    Raises:
+      DataError: if the committed table is damaged.
+    """
+    return tuple(_checked(measurements.read(COMMITTED_TABLE, "entries"), measurements.RESULTS / COMMITTED_TABLE))
 
 
 class Choice(NamedTuple):
@@ -82,7 +81,7 @@ def check(name: str) -> None:
         raise ConfigError(f"`formulation` must be {AUTO} or one of {', '.join(FORMULATIONS)}, got `{name}`.")
 
 
-def choose(kind: Kind, devices: int, table: Sequence[Entry]) -> Entry | None:
+def choose(kind: MachineKind, devices: int, table: Sequence[Entry]) -> Entry | None:
     """The table's entry for `devices` devices of machine `kind`, or None; the first such entry wins,
     one naming the CPU model before one known by vector ISA and cores alone."""
     return best_match((e for e in table if e.devices == devices), lambda e: e.kind, kind)
@@ -104,8 +103,22 @@ def read_cache(path: Path | None = None) -> list[Entry]:
     if not path.exists():
         return []
     try:
-        entries = [Entry.from_json(value) for value in json.loads(path.read_text())["entries"]]
+        values = json.loads(path.read_text())["entries"]
     except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path} is not a formulation table ({e}); delete it or write it again with "
+                        "`jdp bench formulations --write-table`.") from None
+    return _checked(values, path)
+
+
+def _checked(values: Sequence[Any], path: Path) -> list[Entry]:
+    """The entries of a formulation table read from `path`, each naming a formulation jdp trains.
+
+    Raises:
+      DataError: naming `path`, if an entry is malformed or names another formulation.
+    """
+    try:
+        entries = [Entry.from_json(value) for value in values]
+    except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{path} is not a formulation table ({e}); delete it or write it again with "
                         "`jdp bench formulations --write-table`.") from None
     for entry in entries:
@@ -126,7 +139,7 @@ def write_entry(entry: Entry, path: Path | None = None) -> Path:
     return path
 
 
-def resolve(requested: str, kind: Kind, devices: int, cache: Sequence[Entry] = ()) -> Choice:
+def resolve(requested: str, kind: MachineKind, devices: int, cache: Sequence[Entry] = ()) -> Choice:
     """What `requested` means for `devices` devices of machine `kind`: itself, or for `auto` the cache's
     entry, else the committed one, else `fast`. Pure: the caller reads the machine and the cache."""
     check(requested)
@@ -135,7 +148,7 @@ def resolve(requested: str, kind: Kind, devices: int, cache: Sequence[Entry] = (
     entry = choose(kind, devices, cache)
     if entry is not None:
         return Choice(entry.formulation, AUTO, f"user table ({CACHE_FILE}): {entry.source}")
-    entry = choose(kind, devices, COMMITTED)
+    entry = choose(kind, devices, committed())
     if entry is not None:
         return Choice(entry.formulation, AUTO, f"committed table: {entry.source}")
     return Choice(DEFAULT, AUTO, f"default: no measurement for {devices} device(s) of this machine kind")
@@ -164,3 +177,10 @@ def settle(config: Any, devices: Sequence["jax.Device"], checkpoint_dir: str | o
     else:
         choice = resolve(AUTO, this_kind(devices[0].device_kind), len(devices), read_cache())
     return dataclasses.replace(config, formulation=choice.formulation), choice
+
+
+def __getattr__(name: str) -> Any:
+    if name == "COMMITTED":  # removed after 0.1.0; see docs/api.md
+        raise AttributeError("`jdp.training.formulation.COMMITTED` is now `committed()`, read from "
+                             f"experiments/results/{COMMITTED_TABLE}.")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,15 +16,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from jdp.errors import TrainingError
 from jdp.training.tally import Tally, read_local
-
-PyTree = Any
+from jdp.types import PyTree
 
 
 def leaf_names(tree: PyTree) -> list[str]:

@@ -13,8 +13,7 @@ from jdp.training import tally
 from jdp.training.checkpoint import path_for, restore_latest, save
 from jdp.training.resume import check_resumable, check_same_state
 from jdp.training.tally import Tally
-
-PyTree = Any
+from jdp.types import PyTree
 
 log = logging.getLogger(__name__)
 

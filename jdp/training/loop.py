@@ -9,7 +9,6 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +30,7 @@ from jdp.training.profile import Profiler, check_window
 from jdp.training.resume import describe_run
 from jdp.training.stragglers import Stopwatch
 from jdp.training.tally import place_tally
-
-PyTree = Any
+from jdp.types import PyTree
 
 
 @dataclasses.dataclass(frozen=True)

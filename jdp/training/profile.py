@@ -29,8 +29,7 @@ from typing import Any, NamedTuple
 import jax
 
 from jdp.errors import ConfigError
-
-PyTree = Any
+from jdp.types import PyTree
 
 # A collective's instruction is named by its HLO opcode (all-reduce.3) or, in current JAX, by the
 # primitive that made it (psum.7, ppermute.2).

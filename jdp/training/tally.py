@@ -11,15 +11,14 @@ own copy of the params, so folding needs no collective between devices or proces
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jdp.parallel.layout import Backend, Kinds, map_over_devices, place, to_host
-
-PyTree = Any
+from jdp.types import PyTree
 
 
 class Tally(NamedTuple):

@@ -23,15 +23,14 @@ Reference:
 import math
 from collections.abc import Callable
 from functools import lru_cache, partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jdp.parallel.collectives import pad
 from jdp.parallel.layout import map_over_devices, sharded
-
-PyTree = Any
+from jdp.types import PyTree
 
 
 def manual(tree: PyTree) -> PyTree:
