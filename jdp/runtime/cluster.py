@@ -188,27 +188,41 @@ def plan(hosts: int, rate_bps: int, *, cores_per_host: int | None = None, delay_
     return Plan(pid, members, rate_bps, socket.gethostname() if hostname is None else hostname, delay_ms)
 
 
-def missing_privileges(euid: int, which: Callable[[str], str | None]) -> str | None:
+CAPABILITIES = {"CAP_NET_ADMIN": 12, "CAP_SYS_ADMIN": 21}  # linux/capability.h
+
+
+def effective_capabilities(status: str | None = None) -> int:
+    """This process's effective capability mask (`CapEff` of /proc/self/status; 0 where unreadable)."""
+    if status is None:
+        try:
+            status = Path("/proc/self/status").read_text()
+        except OSError:
+            return 0
+    match = re.search(r"^CapEff:\s*([0-9a-f]+)$", status, re.M)
+    return int(match.group(1), 16) if match else 0
+
+
+def missing_privileges(capabilities: int, which: Callable[[str], str | None]) -> str | None:
     """What this machine lacks to emulate a cluster, as a sentence; None if nothing.
 
-    Network namespaces, veth pairs and qdiscs need CAP_NET_ADMIN and CAP_SYS_ADMIN in the initial
-    namespaces: root. (Rootless user namespaces could build the network, but not run the hosts'
-    processes with their own /etc/hosts; jdp does not try.)
+    Network namespaces, veth pairs and qdiscs need CAP_NET_ADMIN and CAP_SYS_ADMIN (the effective
+    `capabilities` mask) in the initial namespaces: root. (Rootless user namespaces could build the
+    network, but not give the hosts' processes their own /etc/hosts; jdp does not try.)
     """
     tools = [tool for tool in TOOLS if which(tool) is None]
-    if euid != 0:
+    if any(not capabilities >> bit & 1 for bit in CAPABILITIES.values()):
         lack = f" and {', '.join(f'`{t}`' for t in tools)} (iproute2, util-linux)" if tools else ""
         return (f"an emulated cluster needs root (network namespaces, veth pairs and tc qdiscs need CAP_NET_ADMIN "
                 f"and CAP_SYS_ADMIN){lack}; run `jdp launch --hosts` as root, or drop `hosts`")
     if tools:
-        return (f"an emulated cluster needs {', '.join(f'`{t}`' for t in tools)} on PATH (iproute2 for `ip` and "
-                f"`tc`, util-linux for `taskset`); install them, or drop `hosts`")
+        return (f"an emulated cluster needs {', '.join(f'`{t}`' for t in tools)} on PATH (iproute2 has ip and "
+                "tc, util-linux has taskset); install them, or drop `hosts`")
     return None
 
 
 def check_privileges() -> None:
     """Raises DeviceError (one line) unless this process can build an emulated cluster."""
-    problem = missing_privileges(os.geteuid(), shutil.which)
+    problem = missing_privileges(effective_capabilities(), shutil.which)
     if problem is not None:
         raise DeviceError(f"Cannot emulate a cluster: {problem}.")
 
