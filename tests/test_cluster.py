@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -175,6 +176,14 @@ def ours(pid):
     return sorted(n for n in cluster.namespaces() if n.startswith(f"jdp-{pid}-"))
 
 
+def running(pid):
+    """Whether process `pid` exists and is not a zombie (an orphan is reaped by whoever is PID 1, if at all)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def start_sleepers(hosts=2):
     launcher = subprocess.Popen([sys.executable, "-m", "jdp", "launch", "--hosts", str(hosts), "--nic", "10mbit", "--",
                                  sys.executable, "-c", SLEEPER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -218,7 +227,7 @@ def test_a_killed_launchers_cluster_is_removed_at_the_next_start_and_a_live_ones
         assert result.returncode == 0, result.stderr
         assert "removing the emulated cluster of a launcher that is gone" in result.stderr
         assert ours(launcher.pid) == [] and alive in cluster.namespaces()
-        assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+        assert not any(running(pid) for pid in pids)
     finally:
         subprocess.run(["ip", "netns", "del", alive])
 
