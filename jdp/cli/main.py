@@ -20,6 +20,7 @@ from jdp.flags import (
     add_backend_flag,
     add_compress_flags,
     add_device_flags,
+    add_job_flags,
     add_optimizer_flags,
     check_out_dir,
     load_plugins,
@@ -123,11 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--simulate-straggler", default=None, metavar="PROCESS:SECONDS[:EVERY]",
                       help="multi-process: process PROCESS sleeps SECONDS before every EVERY-th step (default every "
                       "step); every process times its steps and syncs, and the run reports them per process")
-    train.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                       help="multi-process: address of process 0's coordination service (with --num-processes "
-                       "and --process-id; none of the three inside a SLURM/MPI job: detected)")
-    train.add_argument("--num-processes", type=int, default=None, help="multi-process: processes in the job")
-    train.add_argument("--process-id", type=int, default=None, help="multi-process: this process's index, from 0")
+    add_job_flags(train)
     train.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
                        help="multi-process: end every process (exit status 75) when no step finished for SECONDS, "
                        "naming the processes that did not arrive (default: 20x the slowest step seen, 60 to 600 s; "

@@ -152,6 +152,14 @@ class Plan:
         return {ENV_HOSTS: str(len(self.hosts)), ENV_NIC_BPS: str(self.rate_bps)}
 
 
+def from_environment(environ: dict[str, str] | None = None) -> tuple[int, int] | None:
+    """(hosts, NIC rate in bits/s) of the emulated cluster this process runs on, None outside one."""
+    env = os.environ if environ is None else environ
+    if ENV_HOSTS not in env or ENV_NIC_BPS not in env:
+        return None
+    return int(env[ENV_HOSTS]), int(env[ENV_NIC_BPS])
+
+
 def burst_bytes(rate_bps: int) -> int:
     """tbf's bucket: BURST_S of traffic at the rate, at least BURST_MIN bytes (the timer's granularity)."""
     return max(BURST_MIN, int(rate_bps / 8 * BURST_S))
