@@ -72,6 +72,12 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     fitting.add_argument("--link", default="auto", choices=LINK_MODES,
                          help="bytes in the β term: per-device (the busiest device's, as on real links), shared (all "
                          "devices', as simulated CPU devices share one memory), or auto: shared for CPU runs")
+    fitting.add_argument("--nic-model", action="store_true",
+                         help="with --fit of runs on an emulated cluster (`jdp launch --hosts`): fit nothing, predict "
+                         "every row from the NIC rate (β) and an α measured from the small rows at --alpha-rate, and "
+                         "report the held-out errors (docs/cluster.md)")
+    fitting.add_argument("--alpha-rate", default=None, metavar="RATE",
+                         help="with --nic-model: the rate whose small buffers measure α (default: the highest)")
     p.set_defaults(run=run_allreduce_bench)
 
 
@@ -304,6 +310,8 @@ def run_fit(args: argparse.Namespace) -> int:
 
     out = check_out_dir(args.out)
     runs = load_runs(args.fit)
+    if args.nic_model:
+        return run_nic_model(args, runs, out)
     rows = [r for run in runs for r in run["results"]]
     counts = sorted({r["devices"] for r in rows})
     if args.hold_out is not None and (args.hold_out not in counts or len(counts) < 2):
@@ -328,13 +336,32 @@ def run_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_nic_model(args: argparse.Namespace, runs: list[dict], out: Path | None) -> int:
+    """`--fit ... --nic-model`: the held-out check of a network described by its NIC rate (jdp.bench.nic_model)."""
+    from jdp.bench import nic_model
+
+    rates = sorted({run.get("nic_bps", 0) for run in runs})
+    alpha_rate = rates[-1] if args.alpha_rate is None else cluster.parse_rate(args.alpha_rate)
+    record = nic_model.check(runs, alpha_rate)
+    print(f"# jdp bench allreduce --nic-model: t = m·alpha + b·8/(RATE·{nic_model.WIRE_PAYLOAD:.4f}), alpha from the "
+          f"buffers <= {nic_model.ALPHA_MAX_BYTES // 1024} KiB at {cluster.format_rate(alpha_rate)}, every other row "
+          f"held out; {len(runs)} run(s) at {', '.join(cluster.format_rate(r) for r in rates)}", flush=True)
+    print(nic_model.format_check(record), flush=True)
+    if out is not None:
+        full = {"benchmark": "allreduce-nic-model", "runs": list(args.fit), **record}
+        (out / "nic_model.json").write_text(json.dumps(full, indent=2) + "\n")
+        print(f"wrote {out / 'nic_model.json'}")
+    return 0
+
+
 def run_allreduce_bench(args: argparse.Namespace) -> int:
     from jdp import plot
 
     if args.fit is not None:
         return run_fit(args)
-    if args.hold_out is not None or args.link != "auto":
-        raise ConfigError("`hold_out` and `link` apply to fits of saved runs; add `fit=RUN.json ...`.")
+    if args.hold_out is not None or args.link != "auto" or args.nic_model or args.alpha_rate is not None:
+        raise ConfigError("`hold_out`, `link`, `nic_model` and `alpha_rate` apply to fits of saved runs; add "
+                          "`fit=RUN.json ...`.")
     sizes = parse_sizes(args.sizes)
     check_positive("repeats", args.repeats)
     load_plugins(args.plugin)

@@ -1,0 +1,130 @@
+"""The cost model on an emulated cluster's link: β from the NIC rate alone, α from small messages once.
+
+`jdp bench allreduce --fit RUN.json ... --nic-model` reads runs of `jdp bench allreduce` made under
+`jdp launch --hosts H --nic RATE` (each records its hosts and rate) and predicts every row from a
+network description that was never fitted to them:
+
+- β, seconds per byte across a NIC: 8 / RATE, divided by the payload share of what the shaper
+  counts (TCP over IPv4 on Ethernet with a 1500-byte MTU and timestamps: 1448 of 1514 bytes);
+- α, seconds per message, per algorithm: measured once, from the rows of at most `ALPHA_MAX_BYTES`
+  at one rate (`--alpha-rate`), as the median of (t − b·β) / m;
+- traffic within a host (its L devices' memory) costs nothing next to the NIC's.
+
+Every row at the other rates, and the larger rows at the α rate, are held out. The counts m and b
+are `jdp.parallel.cost.terms` with L devices per host (hierarchical's inner ring stays in memory,
+its outer level has all L devices' chunks cross the one NIC at once).
+
+One property of the transport is part of the description: between two processes, an exchange
+made of `ppermute`s (jdp's ring and tree, and hierarchical's outer ring) runs its two directions one
+after the other, measured as a swap taking twice a one-way send of the same bytes, while Gloo's own
+allreduce (`psum`) uses both at once. Reading Gloo's TCP pair (gloo/transport/tcp/pair.cc) suggests
+why: a receiver's "ready" notice travels on the same TCP connection as the peer-bound data, and
+queues behind data already being sent. With two hosts, those exchanges cost both directions' bytes.
+"""
+
+import statistics
+from collections.abc import Sequence
+
+from jdp.errors import ConfigError
+from jdp.parallel import cost
+
+WIRE_PAYLOAD = 1448 / 1514  # TCP payload per Ethernet frame (MTU 1500, TCP timestamps on): what tbf counts
+ALPHA_MAX_BYTES = 64 * 1024  # rows this small measure α: the NIC's β share of them is a few percent
+SWAPPED = ("ring", "tree")  # the ppermute-built algorithms (for hierarchical: its outer one)
+
+
+def nic_beta(rate_bps: float) -> float:
+    """Seconds per payload byte through a NIC of `rate_bps` (each direction)."""
+    return 8 / (rate_bps * WIRE_PAYLOAD)
+
+
+def _base(name: str) -> str:
+    """`hierarchical:2x2` → `hierarchical`: one α for every grouping."""
+    return ":".join(part for part in name.split(":") if "x" not in part)
+
+
+def inter_terms(row: dict) -> cost.Terms:
+    """m, b of a `jdp bench allreduce` row across the NICs, L = devices / hosts per host; with two hosts,
+    an exchange of `ppermute`s counts both directions' bytes (see the module's docstring)."""
+    f = cost.formula(row["algorithm"])
+    if f is None:
+        raise ConfigError(f"`{row['algorithm']}` has no cost formula in jdp.parallel.cost: leave it out of the runs.")
+    hosts, k = row["hosts"], row["devices"]
+    levels = cost.terms(row["algorithm"], k, row["size_bytes"], k // hosts)
+    inter = levels["inter"]
+    messages = inter.messages + levels["intra"].messages
+    gloo = _base(row["algorithm"].split("+")[0]) in ("psum", "hierarchical:psum")  # psum, cost's "ring", is Gloo's own
+    swap = 2.0 if f.algorithm in SWAPPED and not gloo and hosts == 2 else 1.0
+    return cost.Terms(messages, inter.bytes_sent * swap, inter.bytes_reduced, inter.bytes_total, inter.concurrent)
+
+
+def transfer_seconds(row: dict) -> float:
+    """The NIC's share of a row's time: b · β, with the NIC shared by the devices sending at once."""
+    t = inter_terms(row)
+    return t.bytes_sent * nic_beta(row["nic_bps"]) * max(1.0, t.concurrent)
+
+
+def measure_alpha(rows: Sequence[dict]) -> float:
+    """α of one algorithm: median over its small rows of (t − b·β) / m."""
+    return statistics.median((r["time_us"] * 1e-6 - transfer_seconds(r)) / max(inter_terms(r).messages, 1.0)
+                             for r in rows)
+
+
+def predict_us(row: dict, alpha: float) -> float:
+    """A row's time from the NIC rate and α: m·α + b·β."""
+    return (inter_terms(row).messages * alpha + transfer_seconds(row)) * 1e6
+
+
+def check(runs: Sequence[dict], alpha_rate: int) -> dict:
+    """α per algorithm from the small rows at `alpha_rate`, then the held-out errors of every other row.
+
+    Returns:
+      {"alpha_rate_bps", "wire_payload", "algorithms": {name: {"alpha_s", "alpha_rows", "held_out": [rows with
+      predicted_us and relative_error], "median_relative_error", "worst_relative_error"}}}.
+
+    Raises:
+      ConfigError: if a run was not made on an emulated cluster, or no run is at `alpha_rate`.
+    """
+    rows = []
+    for run in runs:
+        if "nic_bps" not in run:
+            raise ConfigError("`nic_model` needs runs made under `jdp launch --hosts H --nic RATE` (their "
+                              "allreduce.json records `nic_bps`).")
+        rows += [r for r in run["results"] if cost.formula(r["algorithm"]) is not None]
+    if not any(r["nic_bps"] == alpha_rate for r in rows):
+        rates = sorted({r["nic_bps"] for r in rows})
+        raise ConfigError(f"`alpha_rate={alpha_rate}` matches no run; the runs are at {rates} bit/s.")
+    by_name: dict[str, list[dict]] = {}
+    for r in rows:
+        by_name.setdefault(_base(r["algorithm"]), []).append(r)
+    record = {"alpha_rate_bps": alpha_rate, "wire_payload": WIRE_PAYLOAD, "algorithms": {}}
+    for name, mine in by_name.items():
+        small = [r for r in mine if r["nic_bps"] == alpha_rate and r["size_bytes"] <= ALPHA_MAX_BYTES]
+        if not small:
+            continue
+        alpha = measure_alpha(small)
+        held = [r for r in mine if r not in small]
+        errors = [{"devices": r["devices"], "hosts": r["hosts"], "nic_bps": r["nic_bps"], "size_bytes": r["size_bytes"],
+                   "measured_us": r["time_us"], "predicted_us": predict_us(r, alpha),
+                   "relative_error": predict_us(r, alpha) / r["time_us"] - 1} for r in held]
+        size = [abs(e["relative_error"]) for e in errors]
+        record["algorithms"][name] = {"alpha_s": alpha, "alpha_rows": len(small), "held_out": errors,
+                                      "median_relative_error": statistics.median(size) if size else None,
+                                      "worst_relative_error": max(size) if size else None}
+    return record
+
+
+def format_check(record: dict) -> str:
+    """α per algorithm and its held-out median and worst error, overall and per rate."""
+    lines = [f"{'algorithm':<20} {'alpha (us)':>10} {'held out':>8} {'median |err|':>12} {'worst |err|':>11}  per rate (median/worst)"]
+    for name, a in record["algorithms"].items():
+        rates = sorted({e["nic_bps"] for e in a["held_out"]})
+        per = []
+        for rate in rates:
+            errs = [abs(e["relative_error"]) for e in a["held_out"] if e["nic_bps"] == rate]
+            per.append(f"{rate / 1e6:g}mbit {statistics.median(errs):.0%}/{max(errs):.0%}")
+        median = "-" if a["median_relative_error"] is None else f"{a['median_relative_error']:.1%}"
+        worst = "-" if a["worst_relative_error"] is None else f"{a['worst_relative_error']:.1%}"
+        lines.append(f"{name:<20} {a['alpha_s'] * 1e6:>10.0f} {len(a['held_out']):>8} {median:>12} {worst:>11}  "
+                     + ", ".join(per))
+    return "\n".join(lines)
