@@ -257,3 +257,82 @@ def test_two_hosts_train_across_the_shaped_nics_and_the_step_time_follows_the_ra
         for sent, received, shaped_out, shaped_in in traffic:  # 2 epochs × 23 steps × 0.25 MB, and Gloo's set-up
             assert sent > 5 and received > 5 and shaped_out >= sent * 0.95 and shaped_in >= received * 0.95
     assert slow > 3 * fast, (slow, fast)
+
+
+# --- the bench and the cost model on the emulated link (fast: rows made up from the model) --------
+
+
+def test_nic_columns_are_the_bytes_each_nic_must_carry_as_a_fraction_of_its_rate():
+    from jdp.bench.allreduce import format_allreduce_table, nic_columns
+
+    two = nic_columns(0.0125, hosts=2, nic_bps=10**8)  # 12.5 MB/s of algbw on 2 hosts: the whole 100mbit
+    assert two["nic_busbw_gbps"] == pytest.approx(0.0125) and two["nic_fraction"] == pytest.approx(1.0)
+    assert nic_columns(0.0125, hosts=4, nic_bps=10**8)["nic_fraction"] == pytest.approx(1.5)  # 2(H−1)/H
+    row = {"algorithm": "psum", "devices": 2, "size_bytes": 4096, "count": 1024, "time_us": 1.0, "algbw_gbps": 0.0112,
+           "busbw_gbps": 0.0112, "wrong": 0, **nic_columns(0.0112, 2, 10**8)}
+    assert "of NIC" in format_allreduce_table([row], "h") and "89.6%" in format_allreduce_table([row], "h")
+
+
+def made_up_run(rate, alpha, algorithms=("psum", "ring", "hierarchical"), hosts=2, per_host=1):
+    """A run as `jdp bench allreduce` under `jdp launch --hosts` writes it, each time exactly the model's."""
+    from jdp.bench import nic_model
+
+    rows = []
+    for name in algorithms:
+        for size in (4096, 16384, 65536, 2**20, 2**22):
+            row = {"algorithm": name, "devices": hosts * per_host, "size_bytes": size, "hosts": hosts, "nic_bps": rate}
+            rows.append({**row, "time_us": nic_model.predict_us(row, alpha)})
+    return {"benchmark": "allreduce", "nic_bps": rate, "emulated_hosts": hosts, "results": rows}
+
+
+def test_nic_model_recovers_alpha_and_predicts_the_other_rates_exactly():
+    from jdp.bench import nic_model
+
+    record = nic_model.check([made_up_run(10**9, 2e-3), made_up_run(10**8, 2e-3)], alpha_rate=10**9)
+    assert set(record["algorithms"]) == {"psum", "ring", "hierarchical"}
+    for a in record["algorithms"].values():
+        assert a["alpha_s"] == pytest.approx(2e-3) and a["alpha_rows"] == 3 and len(a["held_out"]) == 7
+        assert a["worst_relative_error"] < 1e-9
+
+
+def test_nic_model_prices_a_two_host_ppermute_exchange_at_both_directions_bytes():
+    """4 MiB on 2 hosts × 1 device at 100mbit: Gloo's psum sends N each way at once; the ring's swap
+    sends N/2 one way, then N/2 the other, twice: 2N of wire time. With 3 hosts the ring is full duplex."""
+    from jdp.bench import nic_model
+
+    n, rate = 2**22, 10**8
+    wire = n * nic_model.nic_beta(rate)
+    row = {"devices": 2, "size_bytes": n, "hosts": 2, "nic_bps": rate}
+    assert nic_model.transfer_seconds({**row, "algorithm": "psum"}) == pytest.approx(wire)
+    assert nic_model.transfer_seconds({**row, "algorithm": "hierarchical:psum"}) == pytest.approx(wire)
+    assert nic_model.transfer_seconds({**row, "algorithm": "ring"}) == pytest.approx(2 * wire)
+    assert nic_model.transfer_seconds({**row, "algorithm": "hierarchical"}) == pytest.approx(2 * wire)
+    three = {"devices": 3, "size_bytes": n, "hosts": 3, "nic_bps": rate, "algorithm": "ring"}
+    assert nic_model.transfer_seconds(three) == pytest.approx(4 / 3 * wire)
+    two_by_two = {"devices": 4, "size_bytes": n, "hosts": 2, "nic_bps": rate}  # both local devices' N/2 chunks cross
+    assert nic_model.transfer_seconds({**two_by_two, "algorithm": "hierarchical:psum"}) == pytest.approx(wire)
+
+
+def test_nic_model_refuses_runs_off_the_cluster_and_an_unmeasured_alpha_rate():
+    from jdp.bench import nic_model
+
+    with pytest.raises(ConfigError, match="jdp launch --hosts"):
+        nic_model.check([{"benchmark": "allreduce", "results": []}], 10**8)
+    with pytest.raises(ConfigError, match="`alpha_rate=5` matches no run"):
+        nic_model.check([made_up_run(10**8, 1e-3)], 5)
+
+
+def test_bench_allreduce_nic_model_cli(tmp_path):
+    import json
+
+    paths = []
+    for rate in (10**9, 10**8):
+        paths.append(tmp_path / f"{rate}.json")
+        paths[-1].write_text(json.dumps(made_up_run(rate, 1e-3)))
+    result = run_jdp(["bench", "allreduce", "--fit", *map(str, paths), "--nic-model", "--alpha-rate", "1gbit",
+                      "--out", str(tmp_path)], timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^ring +1000 +7 +0\.0% +0\.0%", result.stdout, re.M), result.stdout
+    assert json.loads((tmp_path / "nic_model.json").read_text())["alpha_rate_bps"] == 10**9
+    refused = run_jdp(["bench", "allreduce", "--nic-model"], timeout=60)
+    assert refused.returncode == 2 and "add `--fit RUN.json ...`" in refused.stderr
