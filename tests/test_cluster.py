@@ -311,6 +311,7 @@ def test_nic_model_prices_a_two_host_ppermute_exchange_at_both_directions_bytes(
     assert nic_model.transfer_seconds(three) == pytest.approx(4 / 3 * wire)
     two_by_two = {"devices": 4, "size_bytes": n, "hosts": 2, "nic_bps": rate}  # both local devices' N/2 chunks cross
     assert nic_model.transfer_seconds({**two_by_two, "algorithm": "hierarchical:psum"}) == pytest.approx(wire)
+    assert nic_model.transfer_seconds({**two_by_two, "algorithm": "ring"}) == pytest.approx(1.5 * wire)  # 4 members
 
 
 def test_nic_model_refuses_runs_off_the_cluster_and_an_unmeasured_alpha_rate():

@@ -19,7 +19,9 @@ made of `ppermute`s (jdp's ring and tree, and hierarchical's outer ring) runs it
 after the other, measured as a swap taking twice a one-way send of the same bytes, while Gloo's own
 allreduce (`psum`) uses both at once. Reading Gloo's TCP pair (gloo/transport/tcp/pair.cc) suggests
 why: a receiver's "ready" notice travels on the same TCP connection as the peer-bound data, and
-queues behind data already being sent. With two hosts, those exchanges cost both directions' bytes.
+queues behind data already being sent. So a ring of ppermutes with two members (a flat ring on 2
+devices, hierarchical's outer ring on 2 hosts) costs both directions' bytes; with 3 or more members
+each device sends on one connection and receives on another, and the ring is full duplex.
 """
 
 import statistics
@@ -54,7 +56,8 @@ def inter_terms(row: dict) -> cost.Terms:
     inter = levels["inter"]
     messages = inter.messages + levels["intra"].messages
     gloo = _base(row["algorithm"].split("+")[0]) in ("psum", "hierarchical:psum")  # psum, cost's "ring", is Gloo's own
-    swap = 2.0 if f.algorithm in SWAPPED and not gloo and hosts == 2 else 1.0
+    members = hosts if f.hierarchical else k  # of the ring of ppermutes that crosses the NICs
+    swap = 2.0 if f.algorithm in SWAPPED and not gloo and members == 2 else 1.0
     return cost.Terms(messages, inter.bytes_sent * swap, inter.bytes_reduced, inter.bytes_total, inter.concurrent)
 
 

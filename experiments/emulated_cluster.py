@@ -1,0 +1,94 @@
+"""`jdp predict` against LeNet's training step measured on an emulated cluster (issue 34, docs/cluster.md).
+
+Runs as root. For each NIC rate and strategy: `jdp launch --hosts 2 --nic RATE -- jdp train` on the
+synthetic set (batch 256: 128 per host, 8 steps an epoch), step time = the median of epochs 2.. / 8.
+The prediction is `jdp.bench.predict`'s step (compute + one allreduce of LeNet's gradient, leaf by leaf,
+not overlapped) on a network described by the NIC rate (β, `jdp.bench.nic_model`) and each algorithm's α
+from `--nic-model-json` (`jdp bench allreduce --fit ... --nic-model --out DIR`). Compute per image is
+measured here too: one process, one device, on one core, batch 128 (what each host computes per step).
+"""
+
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import common
+
+RATES = ("100mbit", "1gbit")
+STRATEGIES = ("psum", "ring", "hierarchical", "hierarchical:psum")
+EPOCHS = 4
+TRAIN_IMAGES = 2048  # the synthetic set's training split
+BATCH = 256
+
+
+def epoch_seconds(history: Path) -> list[float]:
+    return [e["seconds"] for e in json.loads(history.read_text())["epochs"]]
+
+
+def run(command: list[str], log: Path) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    log.write_text(result.stdout + result.stderr)
+    if result.returncode != 0:
+        sys.exit(f"emulated_cluster.py: `{' '.join(command)}` failed (exit {result.returncode}); see {log}")
+
+
+def main() -> None:
+    p = common.parser(__doc__.splitlines()[0], "experiments/results/emulated-cluster/train")
+    p.add_argument("--nic-model-json", default="experiments/results/emulated-cluster/nic_model.json",
+                   help="α per algorithm: the nic_model.json of `jdp bench allreduce --fit ... --nic-model --out`")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jdp = [sys.executable, "-m", "jdp"]
+    train = ["train", "--dataset", "synthetic", "--epochs", str(EPOCHS), "--no-progress", "--formulation", "fast"]
+
+    one = out / "compute"
+    run(["taskset", "-c", "0", *jdp, *train, "--cpu-devices", "1", "--batch-size", str(BATCH // 2), "--out", str(one)],
+        out / "compute.log")
+    compute_s_per_image = statistics.median(epoch_seconds(one / "history.json")[1:]) / TRAIN_IMAGES
+
+    from jdp.bench import nic_model, predict
+    from jdp.runtime import cluster
+
+    alphas = {name: a["alpha_s"] for name, a in json.loads(Path(args.nic_model_json).read_text())["algorithms"].items()}
+    leaves = predict.gradient_leaf_bytes("lenet")
+    rows = []
+    for rate in RATES:
+        for strategy in STRATEGIES:
+            folder = out / f"{strategy.replace(':', '-')}-{rate}"
+            run([*jdp, "launch", "--hosts", "2", "--nic", rate, "--timeout", "600", "--", "jdp", *train, "--backend",
+                 "shard_map", "--batch-size", str(BATCH), "--allreduce", strategy, "--out", str(folder)],
+                out / f"{folder.name}.log")
+            measured = statistics.median(epoch_seconds(folder / "history.json")[1:]) / (TRAIN_IMAGES // BATCH)
+            bps = cluster.parse_rate(rate)
+            row = {"algorithm": strategy, "devices": 2, "hosts": 2, "size_bytes": 1, "nic_bps": bps}
+            swap = nic_model.inter_terms(row).bytes_sent  # one byte allreduced: 2 for an exchange of ppermutes between two hosts, else 1
+            network = {"algorithms": {strategy: {"alpha_s": alphas[strategy], "beta_s_per_byte": nic_model.nic_beta(bps) * swap,
+                                                 "gamma_s_per_byte": 0.0, "shared": False}}}
+            step = predict.predict(leaves, compute_s_per_image * (BATCH // 2), [2], [strategy], network)[0]
+            predicted = step["strategies"][strategy]["step_ms"] / 1e3
+            rows.append({"rate": rate, "strategy": strategy, "measured_step_ms": measured * 1e3,
+                         "predicted_step_ms": predicted * 1e3, "compute_ms": step["compute_ms"],
+                         "allreduce_ms": step["strategies"][strategy]["allreduce_ms"],
+                         "relative_error": predicted / measured - 1})
+            print(f"{rate:>8} {strategy:<18} measured {measured * 1e3:7.1f} ms  predicted {predicted * 1e3:7.1f} ms "
+                  f"({rows[-1]['relative_error']:+.0%})", flush=True)
+    record = {"experiment": "emulated-cluster-train", "machine": common.machine(),
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "compute_ms_per_image": compute_s_per_image * 1e3, "gradient_bytes": sum(leaves), "leaves": len(leaves),
+              "batch": BATCH, "hosts": 2, "epochs": EPOCHS, "rows": rows}
+    (out / "train.json").write_text(json.dumps(record, indent=2) + "\n")
+    table = common.markdown_table(
+        ["NIC", "strategy", "measured step (ms)", "predicted (ms)", "of which allreduce (ms)", "error"],
+        [[r["rate"], r["strategy"], f"{r['measured_step_ms']:.1f}", f"{r['predicted_step_ms']:.1f}",
+          f"{r['allreduce_ms']:.1f}", f"{r['relative_error']:+.0%}"] for r in rows])
+    (out / "train.md").write_text(f"{record['machine']}; {record['date']}; compute {record['compute_ms_per_image']:.3f} "
+                                  f"ms per image\n\n{table}\n")
+    print(f"wrote {out / 'train.json'} and {out / 'train.md'}")
+
+
+if __name__ == "__main__":
+    main()
