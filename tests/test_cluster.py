@@ -289,7 +289,7 @@ def test_nic_model_recovers_alpha_and_predicts_the_other_rates_exactly():
     from jdp.bench import nic_model
 
     record = nic_model.check([made_up_run(10**9, 2e-3), made_up_run(10**8, 2e-3)], alpha_rate=10**9)
-    assert set(record["algorithms"]) == {"psum", "ring", "hierarchical"}
+    assert set(record["algorithms"]) == {"psum 2x1", "ring 2x1", "hierarchical 2x1"}
     for a in record["algorithms"].values():
         assert a["alpha_s"] == pytest.approx(2e-3) and a["alpha_rows"] == 3 and len(a["held_out"]) == 7
         assert a["worst_relative_error"] < 1e-9
@@ -333,7 +333,7 @@ def test_bench_allreduce_nic_model_cli(tmp_path):
     result = run_jdp(["bench", "allreduce", "--fit", *map(str, paths), "--nic-model", "--alpha-rate", "1gbit",
                       "--out", str(tmp_path)], timeout=60)
     assert result.returncode == 0, result.stderr
-    assert re.search(r"^ring +1000 +7 +0\.0% +0\.0%", result.stdout, re.M), result.stdout
+    assert re.search(r"^ring 2x1 +1000 +7 +0% / 0% +0% / 0%", result.stdout, re.M), result.stdout
     assert json.loads((tmp_path / "nic_model.json").read_text())["alpha_rate_bps"] == 10**9
     refused = run_jdp(["bench", "allreduce", "--nic-model"], timeout=60)
     assert refused.returncode == 2 and "add `--fit RUN.json ...`" in refused.stderr

@@ -6,8 +6,8 @@ network description that was never fitted to them:
 
 - β, seconds per byte across a NIC: 8 / RATE, divided by the payload share of what the shaper
   counts (TCP over IPv4 on Ethernet with a 1500-byte MTU and timestamps: 1448 of 1514 bytes);
-- α, seconds per message, per algorithm: measured once, from the rows of at most `ALPHA_MAX_BYTES`
-  at one rate (`--alpha-rate`), as the median of (t − b·β) / m;
+- α, seconds per message, per algorithm and topology (H hosts × L devices): measured once, from the
+  rows of at most `ALPHA_MAX_BYTES` at one rate (`--alpha-rate`), as the median of (t − b·β) / m;
 - traffic within a host (its L devices' memory) costs nothing next to the NIC's.
 
 Every row at the other rates, and the larger rows at the α rate, are held out. The counts m and b
@@ -32,6 +32,7 @@ from jdp.parallel import cost
 
 WIRE_PAYLOAD = 1448 / 1514  # TCP payload per Ethernet frame (MTU 1500, TCP timestamps on): what tbf counts
 ALPHA_MAX_BYTES = 64 * 1024  # rows this small measure α: the NIC's β share of them is a few percent
+LARGE_BYTES = 2**20  # rows this large are the wire's: their errors are also reported apart
 SWAPPED = ("ring", "tree")  # the ppermute-built algorithms (for hierarchical: its outer one)
 
 
@@ -78,12 +79,19 @@ def predict_us(row: dict, alpha: float) -> float:
     return (inter_terms(row).messages * alpha + transfer_seconds(row)) * 1e6
 
 
+def _errors(errors: Sequence[dict], least_bytes: int = 0) -> tuple[float | None, float | None]:
+    sizes = [abs(e["relative_error"]) for e in errors if e["size_bytes"] >= least_bytes]
+    return (statistics.median(sizes), max(sizes)) if sizes else (None, None)
+
+
 def check(runs: Sequence[dict], alpha_rate: int) -> dict:
-    """α per algorithm from the small rows at `alpha_rate`, then the held-out errors of every other row.
+    """α per algorithm and topology from the small rows at `alpha_rate`, then the held-out errors of every other row.
 
     Returns:
-      {"alpha_rate_bps", "wire_payload", "algorithms": {name: {"alpha_s", "alpha_rows", "held_out": [rows with
-      predicted_us and relative_error], "median_relative_error", "worst_relative_error"}}}.
+      {"alpha_rate_bps", "wire_payload", "algorithms": {"NAME HxL": {"algorithm", "hosts", "per_host", "alpha_s",
+      "alpha_rows", "held_out": [rows with predicted_us and relative_error], "median_relative_error",
+      "worst_relative_error", and the same two over rows of at least LARGE_BYTES: "large_median_relative_error",
+      "large_worst_relative_error"}}}.
 
     Raises:
       ConfigError: if a run was not made on an emulated cluster, or no run is at `alpha_rate`.
@@ -99,7 +107,7 @@ def check(runs: Sequence[dict], alpha_rate: int) -> dict:
         raise ConfigError(f"`alpha_rate={alpha_rate}` matches no run; the runs are at {rates} bit/s.")
     by_name: dict[str, list[dict]] = {}
     for r in rows:
-        by_name.setdefault(_base(r["algorithm"]), []).append(r)
+        by_name.setdefault(f"{_base(r['algorithm'])} {r['hosts']}x{r['devices'] // r['hosts']}", []).append(r)
     record = {"alpha_rate_bps": alpha_rate, "wire_payload": WIRE_PAYLOAD, "algorithms": {}}
     for name, mine in by_name.items():
         small = [r for r in mine if r["nic_bps"] == alpha_rate and r["size_bytes"] <= ALPHA_MAX_BYTES]
@@ -110,24 +118,28 @@ def check(runs: Sequence[dict], alpha_rate: int) -> dict:
         errors = [{"devices": r["devices"], "hosts": r["hosts"], "nic_bps": r["nic_bps"], "size_bytes": r["size_bytes"],
                    "measured_us": r["time_us"], "predicted_us": predict_us(r, alpha),
                    "relative_error": predict_us(r, alpha) / r["time_us"] - 1} for r in held]
-        size = [abs(e["relative_error"]) for e in errors]
-        record["algorithms"][name] = {"alpha_s": alpha, "alpha_rows": len(small), "held_out": errors,
-                                      "median_relative_error": statistics.median(size) if size else None,
-                                      "worst_relative_error": max(size) if size else None}
+        median, worst = _errors(errors)
+        large_median, large_worst = _errors(errors, LARGE_BYTES)
+        record["algorithms"][name] = {"algorithm": _base(mine[0]["algorithm"]), "hosts": mine[0]["hosts"],
+                                      "per_host": mine[0]["devices"] // mine[0]["hosts"], "alpha_s": alpha,
+                                      "alpha_rows": len(small), "held_out": errors, "median_relative_error": median,
+                                      "worst_relative_error": worst, "large_median_relative_error": large_median,
+                                      "large_worst_relative_error": large_worst}
     return record
 
 
 def format_check(record: dict) -> str:
-    """α per algorithm and its held-out median and worst error, overall and per rate."""
-    lines = [f"{'algorithm':<20} {'alpha (us)':>10} {'held out':>8} {'median |err|':>12} {'worst |err|':>11}  per rate (median/worst)"]
+    """α per algorithm and topology, its held-out median and worst error: all rows, rows >= 1 MiB, per rate."""
+    def cell(median: float | None, worst: float | None) -> str:
+        return "-" if median is None else f"{median:.0%} / {worst:.0%}"
+
+    lines = [f"{'algorithm, HxL':<24} {'alpha (us)':>10} {'held out':>8} {'all: median / worst':>20} "
+             f"{'>=1MiB: median / worst':>23}  per rate, all sizes"]
     for name, a in record["algorithms"].items():
-        rates = sorted({e["nic_bps"] for e in a["held_out"]})
         per = []
-        for rate in rates:
-            errs = [abs(e["relative_error"]) for e in a["held_out"] if e["nic_bps"] == rate]
-            per.append(f"{rate / 1e6:g}mbit {statistics.median(errs):.0%}/{max(errs):.0%}")
-        median = "-" if a["median_relative_error"] is None else f"{a['median_relative_error']:.1%}"
-        worst = "-" if a["worst_relative_error"] is None else f"{a['worst_relative_error']:.1%}"
-        lines.append(f"{name:<20} {a['alpha_s'] * 1e6:>10.0f} {len(a['held_out']):>8} {median:>12} {worst:>11}  "
-                     + ", ".join(per))
+        for rate in sorted({e["nic_bps"] for e in a["held_out"]}):
+            per.append(f"{rate / 1e6:g}mbit {cell(*_errors([e for e in a['held_out'] if e['nic_bps'] == rate]))}")
+        lines.append(f"{name:<24} {a['alpha_s'] * 1e6:>10.0f} {len(a['held_out']):>8} "
+                     f"{cell(a['median_relative_error'], a['worst_relative_error']):>20} "
+                     f"{cell(a['large_median_relative_error'], a['large_worst_relative_error']):>23}  " + ", ".join(per))
     return "\n".join(lines)
