@@ -337,3 +337,21 @@ def test_bench_allreduce_nic_model_cli(tmp_path):
     assert json.loads((tmp_path / "nic_model.json").read_text())["alpha_rate_bps"] == 10**9
     refused = run_jdp(["bench", "allreduce", "--nic-model"], timeout=60)
     assert refused.returncode == 2 and "add `--fit RUN.json ...`" in refused.stderr
+
+
+@pytest.mark.slow
+@needs_netns
+def test_bench_allreduce_across_two_hosts_reports_the_nics_share(tmp_path):
+    """psum of 1 MiB across 2 hosts at 100mbit: about 87 ms of wire each way; the NIC column says what share
+    of 100mbit the allreduce got (≤ 95.6%: TCP's payload per frame), process 0 alone writes."""
+    import json
+
+    result = run_jdp(["launch", "--hosts", "2", "--nic", "100mbit", "--timeout", "240", "--", "jdp", "bench",
+                      "allreduce", "--backend", "shard_map", "--algorithms", "psum", "ring", "--sizes", "1MiB",
+                      "--repeats", "2", "--out", str(tmp_path)], timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "[p1] #" not in result.stdout and "on 2 emulated hosts with 100mbit NICs" in result.stdout
+    rows = json.loads((tmp_path / "allreduce.json").read_text())["results"]
+    assert {r["algorithm"] for r in rows} == {"psum", "ring"} and all(r["wrong"] == 0 for r in rows)
+    for r in rows:
+        assert r["hosts"] == 2 and r["nic_bps"] == 10**8 and 0.2 < r["nic_fraction"] < 0.96, r
