@@ -256,7 +256,7 @@ def test_two_hosts_train_across_the_shaped_nics_and_the_step_time_follows_the_ra
         assert len(traffic) == 2
         for sent, received, shaped_out, shaped_in in traffic:  # 2 epochs × 23 steps × 0.25 MB, and Gloo's set-up
             assert sent > 5 and received > 5 and shaped_out >= sent * 0.95 and shaped_in >= received * 0.95
-    assert slow > 3 * fast, (slow, fast)
+    assert slow > 2 * fast, (slow, fast)  # the wire alone: 0.43 s a step at 10mbit, 0.04 s at 100mbit
 
 
 # --- the bench and the cost model on the emulated link (fast: rows made up from the model) --------
