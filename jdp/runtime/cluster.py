@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -314,8 +315,6 @@ def build(p: Plan) -> None:
 
 def teardown(p: Plan) -> list[str]:
     """Removes every namespace and file of the plan; SIGINT and SIGTERM wait until it is done."""
-    import threading
-
     on_main = threading.current_thread() is threading.main_thread()
     saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
     try:
