@@ -355,3 +355,15 @@ def test_bench_allreduce_across_two_hosts_reports_the_nics_share(tmp_path):
     assert {r["algorithm"] for r in rows} == {"psum", "ring"} and all(r["wrong"] == 0 for r in rows)
     for r in rows:
         assert r["hosts"] == 2 and r["nic_bps"] == 10**8 and 0.2 < r["nic_fraction"] < 0.96, r
+
+
+@pytest.mark.slow
+@needs_netns
+def test_a_delay_without_netem_is_refused_in_one_line_and_nothing_is_left():
+    result = run_jdp(["launch", "--hosts", "2", "--nic", "100mbit", "--delay", "5", "--", sys.executable, "-c", "pass"])
+    if result.returncode == 0:
+        pytest.skip("this kernel has netem: the delay was emulated, not refused")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "needs the kernel's netem qdisc" in result.stderr and "drop `--delay`" in result.stderr
+    launcher = re.search(r"jdp-(\d+)-h0", result.stderr).group(1)
+    assert ours(launcher) == [] and not list(cluster.NETNS_ETC.glob(f"jdp-{launcher}-*"))
