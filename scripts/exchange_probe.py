@@ -1,6 +1,6 @@
 """Why jdp's ring on two hosts gets half the NIC: a swap of ppermutes against a one-way send and Gloo's psum.
 
-Run under `jdp launch --hosts 2 --nic RATE -- python experiments/exchange_probe.py BYTES` (as root; the
+Run under `jdp launch --hosts 2 --nic RATE -- python scripts/exchange_probe.py BYTES` (as root; the
 launcher appends the job flags). Each process holds BYTES of float32; printed by process 0, the mean of 5
 calls after a warm-up: a one-way `ppermute` (host 0 → host 1), a swap (both ways in one `ppermute`) and
 `psum`. On a full-duplex link a swap takes as long as a one-way send; measured, it takes twice as long.

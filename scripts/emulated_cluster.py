@@ -12,6 +12,7 @@ the wire is not the limit: it holds the 2-process step's own costs, α included)
 bytes' time at RATE, b·β (α = 0: already inside).
 """
 
+import argparse
 import datetime
 import json
 import statistics
@@ -19,7 +20,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import common
 
 RATES = ("100mbit", "1gbit")
 UNLIMITED = "40gbit"  # the wire is no limit: LeNet's 0.5 MB gradient crosses in 0.1 ms
@@ -40,8 +40,14 @@ def run(command: list[str], log: Path) -> None:
         sys.exit(f"emulated_cluster.py: `{' '.join(command)}` failed (exit {result.returncode}); see {log}")
 
 
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
 def main() -> None:
-    p = common.parser(__doc__.splitlines()[0], "experiments/results/emulated-cluster/train")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="experiments/results/emulated-cluster/train", help="where the results go")
     p.add_argument("--nic-model-json", default="experiments/results/emulated-cluster/nic_model.json",
                    help="α per algorithm: the nic_model.json of `jdp bench allreduce --fit ... --nic-model --out`")
     args = p.parse_args()
@@ -92,12 +98,16 @@ def main() -> None:
             print(f"{rate:>8} {strategy:<18} measured {measured * 1e3:6.1f} ms; predicted {r['predicted_step_ms']:6.1f} ms "
                   f"({r['relative_error']:+.0%}), from the {UNLIMITED} step {r['predicted_from_unlimited_ms']:6.1f} ms "
                   f"({r['relative_error_from_unlimited']:+.0%})", flush=True)
-    record = {"experiment": "emulated-cluster-train", "machine": common.machine(),
+    from jdp.bench.machine import machine
+
+    kind = machine()
+    record = {"experiment": "emulated-cluster-train", "machine": f"{kind['cpu']} ({kind['vector_isa']}), "
+              f"{kind['host_cpus']} cores, JAX {kind['jax_version']}, Python {kind['python']}",
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "compute_ms_per_image": compute_s_per_image * 1e3, "gradient_bytes": sum(leaves), "leaves": len(leaves),
               "batch": BATCH, "hosts": 2, "epochs": EPOCHS, "unlimited_rate": UNLIMITED, "rows": rows}
     (out / "train.json").write_text(json.dumps(record, indent=2) + "\n")
-    table = common.markdown_table(
+    table = markdown_table(
         ["NIC", "strategy", "measured step (ms)", "predicted (ms)", "of which allreduce (ms)", "error",
          f"step at {UNLIMITED} (ms)", "predicted from it (ms)", "error"],
         [[r["rate"], r["strategy"], f"{r['measured_step_ms']:.1f}", f"{r['predicted_step_ms']:.1f}",
