@@ -44,6 +44,15 @@ def add_plugin_flag(parser: argparse.ArgumentParser) -> None:
                         "with jdp.register_model / jdp.register_allreduce")
 
 
+def add_job_flags(parser: argparse.ArgumentParser) -> None:
+    """`--coordinator`, `--num-processes`, `--process-id`: a multi-process job (`jdp launch` appends them)."""
+    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                        help="multi-process: address of process 0's coordination service (with --num-processes "
+                        "and --process-id; none of the three inside a SLURM/MPI job: detected)")
+    parser.add_argument("--num-processes", type=int, default=None, help="multi-process: processes in the job")
+    parser.add_argument("--process-id", type=int, default=None, help="multi-process: this process's index, from 0")
+
+
 def add_backend_flag(parser: argparse.ArgumentParser) -> None:
     """`--backend`: one of `jdp.parallel.layout.BACKENDS`."""
     parser.add_argument("--backend", default="pmap", choices=BACKENDS,

@@ -7,6 +7,10 @@ carries, so it can be compared across device counts and with the hardware's link
 Each buffer holds small integers, so every order of summation gives the exact sum: `#wrong`
 counts the elements, on every device, that differ from it (it must be 0).
 
+Under `jdp launch --hosts H --nic RATE` (an emulated cluster, docs/cluster.md) each row also has the
+NIC's bus bandwidth, algbw · 2(H−1)/H: the bytes each host's NIC must carry at least, per direction,
+for an allreduce over H hosts (any algorithm), per second; and that as a fraction of RATE.
+
 Each run also fits the α–β–γ model of every algorithm to its times (`jdp.bench.fit`).
 One process has one device count, so `--fit RUN.json ...` fits saved runs of several counts
 together, and `--hold-out K` leaves count K out of the fit and reports how well it is predicted.
@@ -27,10 +31,11 @@ import jax.numpy as jnp
 from jdp.bench import fit
 from jdp.bench.machine import machine, where
 from jdp.errors import ConfigError, check_positive
-from jdp.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
+from jdp.flags import add_device_flags, add_job_flags, check_out_dir, load_plugins, setup_devices
 from jdp.parallel import allreduce
 from jdp.parallel.inflight import InFlight
 from jdp.parallel.layout import BACKENDS, map_over_devices, sharded
+from jdp.runtime import cluster
 from jdp.runtime.devices import AXIS
 
 DEFAULT_SIZES = "4KiB..64MiB"
@@ -49,6 +54,7 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         "to the exact sum on some device.",
     )
     add_device_flags(p)
+    add_job_flags(p)
     add_algorithms_flag(p)
     p.add_argument("--backend", default="pmap", choices=list(BACKENDS),
                    help="map the inside algorithms with jax.pmap or jax.jit(jax.shard_map)")
@@ -67,6 +73,12 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     fitting.add_argument("--link", default="auto", choices=LINK_MODES,
                          help="bytes in the β term: per-device (the busiest device's, as on real links), shared (all "
                          "devices', as simulated CPU devices share one memory), or auto: shared for CPU runs")
+    fitting.add_argument("--nic-model", action="store_true",
+                         help="with --fit of runs on an emulated cluster (`jdp launch --hosts`): fit nothing, predict "
+                         "every row from the NIC rate (β) and an α measured from the small rows at --alpha-rate, and "
+                         "report the held-out errors (docs/cluster.md)")
+    fitting.add_argument("--alpha-rate", default=None, metavar="RATE",
+                         help="with --nic-model: the rate whose small buffers measure α (default: the highest)")
     p.set_defaults(run=run_allreduce_bench)
 
 
@@ -131,6 +143,7 @@ def bench_allreduce(
     repeats: int = 5,
     min_seconds: float = 0.02,
     backend: str = "pmap",
+    nic: tuple[int, int] | None = None,
 ) -> list[dict]:
     """Times each algorithm on one float32 buffer per device, for each size.
 
@@ -145,10 +158,12 @@ def bench_allreduce(
       repeats: timed samples per algorithm and size; the median is reported.
       min_seconds: the least duration of one sample.
       backend: how the inside algorithms are mapped: "pmap" or "shard_map".
+      nic: (hosts H, NIC rate in bits/s) of the emulated cluster the devices are on, or None.
 
     Returns:
       One row per (size, algorithm): algorithm, devices, size_bytes, count, dtype, time_us,
-      algbw_gbps, busbw_gbps (GB = 1e9 bytes), wrong, iters, samples_us (every repeat, for the spread).
+      algbw_gbps, busbw_gbps (GB = 1e9 bytes), wrong, iters, samples_us (every repeat, for the spread);
+      with `nic`, also hosts, nic_bps, nic_busbw_gbps and nic_fraction (of the rate).
     """
     k = len(devices)
     sharding = sharded(devices)
@@ -161,7 +176,7 @@ def bench_allreduce(
         for name, run in runners.items():
             wrong[name] = int(_count_wrong(run(x)))  # warm-up: compiles, and checks the sum
             once = _seconds_per_call(run, x, 1)
-            iters[name] = max(1, min(1000, math.ceil(min_seconds / max(once, 1e-9))))
+            iters[name] = _agreed(max(1, min(1000, math.ceil(min_seconds / max(once, 1e-9)))))
         samples: dict[str, list[float]] = {name: [] for name in runners}
         for _ in range(repeats):
             for name, run in runners.items():
@@ -173,9 +188,25 @@ def bench_allreduce(
                 "algorithm": name, "devices": k, "size_bytes": size, "count": count, "dtype": "float32",
                 "time_us": t * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (k - 1) / k,
                 "wrong": wrong[name], "iters": iters[name], "samples_us": [u * 1e6 for u in samples[name]],
+                **({} if nic is None else nic_columns(algbw, *nic)),
             })
         del x
     return rows
+
+
+def nic_columns(algbw_gbps: float, hosts: int, nic_bps: int) -> dict:
+    """hosts, nic_bps, nic_busbw_gbps = algbw · 2(H−1)/H and nic_fraction = that / the NIC's bytes per second."""
+    busbw = algbw_gbps * 2 * (hosts - 1) / hosts
+    return {"hosts": hosts, "nic_bps": nic_bps, "nic_busbw_gbps": busbw, "nic_fraction": busbw * 1e9 / (nic_bps / 8)}
+
+
+def _agreed(iters: int) -> int:
+    """Process 0's count in every process of a job (each must dispatch the same calls); `iters` alone."""
+    if jax.process_count() == 1:
+        return iters
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(jnp.int32(iters)))
 
 
 def _runner(strategy: allreduce.Allreduce, devices: Sequence[jax.Device],
@@ -215,11 +246,13 @@ def _seconds_per_call(run: Callable[[jax.Array], jax.Array], x: jax.Array, iters
 def format_allreduce_table(rows: Sequence[dict], header: str) -> str:
     """nccl-tests' columns, one row per (size, algorithm), a blank line between sizes."""
     w = max([12, *(len(r["algorithm"]) for r in rows)])  # `hierarchical:tree:2x4+bfloat16-wire` is long
+    nic = bool(rows) and "nic_fraction" in rows[0]
     lines = [
         f"# {header}",
         (f"#{'size':>11} {'count':>10}  {'type':<6} {'algorithm':<{w}} "
-         f"{'time':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>7}"),
-        f"#{'(B)':>11} {'(elements)':>10}  {'':<6} {'':<{w}} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8}",
+         f"{'time':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>7}" + (f" {'NIC busbw':>9} {'of NIC':>6}" if nic else "")),
+        f"#{'(B)':>11} {'(elements)':>10}  {'':<6} {'':<{w}} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8}"
+        + (f" {'':>7} {'(GB/s)':>9}" if nic else ""),
     ]
     previous = None
     for r in rows:
@@ -227,7 +260,8 @@ def format_allreduce_table(rows: Sequence[dict], header: str) -> str:
             lines.append("")
         previous = r["size_bytes"]
         lines.append(f" {r['size_bytes']:>11} {r['count']:>10}  {'float':<6} {r['algorithm']:<{w}} "
-                     f"{r['time_us']:>10.1f} {r['algbw_gbps']:>8.3f} {r['busbw_gbps']:>8.3f} {r['wrong']:>7}")
+                     f"{r['time_us']:>10.1f} {r['algbw_gbps']:>8.3f} {r['busbw_gbps']:>8.3f} {r['wrong']:>7}"
+                     + (f" {r['nic_busbw_gbps']:>9.4f} {r['nic_fraction']:>6.1%}" if nic else ""))
     return "\n".join(lines)
 
 
@@ -278,6 +312,8 @@ def run_fit(args: argparse.Namespace) -> int:
     out = check_out_dir(args.out)
     load_plugins(args.plugin)  # rows of a plugin's strategy are priced by its cost
     runs = load_runs(args.fit)
+    if args.nic_model:
+        return run_nic_model(args, runs, out)
     rows = [r for run in runs for r in run["results"]]
     counts = sorted({r["devices"] for r in rows})
     if args.hold_out is not None and (args.hold_out not in counts or len(counts) < 2):
@@ -302,28 +338,52 @@ def run_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_nic_model(args: argparse.Namespace, runs: list[dict], out: Path | None) -> int:
+    """`--fit ... --nic-model`: the held-out check of a network described by its NIC rate (jdp.bench.nic_model)."""
+    from jdp.bench import nic_model
+
+    rates = sorted({run.get("nic_bps", 0) for run in runs})
+    alpha_rate = rates[-1] if args.alpha_rate is None else cluster.parse_rate(args.alpha_rate)
+    record = nic_model.check(runs, alpha_rate)
+    print(f"# jdp bench allreduce --nic-model: t = m·alpha + b·8/(RATE·{nic_model.WIRE_PAYLOAD:.4f}), alpha from the "
+          f"buffers <= {nic_model.ALPHA_MAX_BYTES // 1024} KiB at {cluster.format_rate(alpha_rate)}, every other row "
+          f"held out; {len(runs)} run(s) at {', '.join(cluster.format_rate(r) for r in rates)}", flush=True)
+    print(nic_model.format_check(record), flush=True)
+    if out is not None:
+        full = {"benchmark": "allreduce-nic-model", "runs": list(args.fit), **record}
+        (out / "nic_model.json").write_text(json.dumps(full, indent=2) + "\n")
+        print(f"wrote {out / 'nic_model.json'}")
+    return 0
+
+
 def run_allreduce_bench(args: argparse.Namespace) -> int:
     from jdp import plot
 
     if args.fit is not None:
         return run_fit(args)
-    if args.hold_out is not None or args.link != "auto":
-        raise ConfigError("`hold_out` and `link` apply to fits of saved runs; add `fit=RUN.json ...`.")
+    if args.hold_out is not None or args.link != "auto" or args.nic_model or args.alpha_rate is not None:
+        raise ConfigError("`hold_out`, `link`, `nic_model` and `alpha_rate` apply to fits of saved runs; add "
+                          "`fit=RUN.json ...`.")
     sizes = parse_sizes(args.sizes)
     check_positive("repeats", args.repeats)
     load_plugins(args.plugin)
     check_algorithms(args.algorithms)
     out = check_out_dir(args.out)
     devices = setup_devices(args)
-    rows = bench_allreduce(devices, sizes, args.algorithms, repeats=args.repeats, backend=args.backend)
-    header = (f"jdp bench allreduce: {where(devices)}, float32 sum, "
+    nic = cluster.from_environment()  # set by `jdp launch --hosts H --nic RATE`
+    rows = bench_allreduce(devices, sizes, args.algorithms, repeats=args.repeats, backend=args.backend, nic=nic)
+    if jax.process_index() != 0:  # every process timed the same calls; process 0 reports
+        return 0
+    on = "" if nic is None else f" on {nic[0]} emulated hosts with {cluster.format_rate(nic[1])} NICs"
+    header = (f"jdp bench allreduce: {where(devices)}{on}, float32 sum, "
               f"median of {args.repeats} repeats after a warm-up")
     print(format_allreduce_table(rows, header), flush=True)
     if out is not None:
+        shared = devices[0].platform == "cpu" and nic is None  # a cluster's hosts have links of their own
         record = {"benchmark": "allreduce", **machine(devices), "cpu_devices_simulated": args.cpu_devices,
-                  "backend": args.backend, "repeats": args.repeats, "results": rows,
-                  "fit": fit.fit_all(rows, shared=devices[0].platform == "cpu",
-                                      say=lambda line: print(line, flush=True))}
+                  "backend": args.backend, "repeats": args.repeats, "processes": jax.process_count(),
+                  **({} if nic is None else {"emulated_hosts": nic[0], "nic_bps": nic[1]}), "results": rows,
+                  "fit": fit.fit_all(rows, shared=shared, say=lambda line: print(line, flush=True))}
         (out / "allreduce.json").write_text(json.dumps(record, indent=2) + "\n")
         title = f"allreduce on {len(devices)} {devices[0].platform} devices, float32, median of {args.repeats}"
         plot.save(plot.busbw_vs_size(rows, title=title), out / "allreduce.png")

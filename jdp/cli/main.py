@@ -20,6 +20,7 @@ from jdp.flags import (
     add_backend_flag,
     add_compress_flags,
     add_device_flags,
+    add_job_flags,
     add_optimizer_flags,
     check_out_dir,
     load_plugins,
@@ -124,11 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--simulate-straggler", default=None, metavar="PROCESS:SECONDS[:EVERY]",
                       help="multi-process: process PROCESS sleeps SECONDS before every EVERY-th step (default every "
                       "step); every process times its steps and syncs, and the run reports them per process")
-    train.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                       help="multi-process: address of process 0's coordination service (with --num-processes "
-                       "and --process-id; none of the three inside a SLURM/MPI job: detected)")
-    train.add_argument("--num-processes", type=int, default=None, help="multi-process: processes in the job")
-    train.add_argument("--process-id", type=int, default=None, help="multi-process: this process's index, from 0")
+    add_job_flags(train)
     train.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
                        help="multi-process: end every process (exit status 75) when no step finished for SECONDS, "
                        "naming the processes that did not arrive (default: 20x the slowest step seen, 60 to 600 s; "
@@ -150,14 +147,27 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_parser(commands)
 
     launch = commands.add_parser(
-        "launch", help="run a multi-process job on this machine over loopback (simulated CPU devices)",
+        "launch", help="run a multi-process job on this machine, over loopback or an emulated cluster",
         description="Start P processes of COMMAND on 127.0.0.1, each with its own --process-id, "
-        "forward their output prefixed [pI], and stop them all as soon as one fails.",
-        usage="jdp launch --num-processes P --cpu-devices-per-process N [--timeout S] [--max-restarts N] "
-        "-- jdp train ...",
+        "forward their output prefixed [pI], and stop them all as soon as one fails. With --hosts H --nic RATE "
+        "(as root): one process on each of H emulated hosts, network namespaces whose NICs are shaped to RATE "
+        "each way and joined by a switch (docs/cluster.md).",
+        usage="jdp launch (--num-processes P | --hosts H --nic RATE [--cores-per-host C] [--delay MS]) "
+        "[--cpu-devices-per-process N] [--timeout S] [--max-restarts N] -- jdp train ...",
     )
-    launch.add_argument("--num-processes", type=int, required=True, help="processes to start")
-    launch.add_argument("--cpu-devices-per-process", type=int, default=1, help="CPU devices each one simulates")
+    launch.add_argument("--num-processes", type=int, default=None, help="processes to start (on loopback)")
+    launch.add_argument("--cpu-devices-per-process", "--devices-per-host", type=int, default=1,
+                        help="CPU devices each process (each emulated host) simulates")
+    cluster = launch.add_argument_group("an emulated cluster, as root (docs/cluster.md)")
+    cluster.add_argument("--hosts", type=int, default=None, metavar="H",
+                         help="run one process on each of H emulated hosts (network namespaces behind a switch)")
+    cluster.add_argument("--nic", default=None, metavar="RATE",
+                         help="with --hosts: each host's NIC rate, each way, in tc's units (100mbit, 1gbit)")
+    cluster.add_argument("--cores-per-host", type=int, default=None, metavar="C",
+                         help="with --hosts: CPU cores each host's process is pinned to (default: the cores shared "
+                         "out evenly, at least one each)")
+    cluster.add_argument("--delay", type=float, default=None, metavar="MS",
+                         help="with --hosts: one-way latency added at each NIC (needs the kernel's netem)")
     launch.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="when a process fails, stop the job and start all processes again with --resume from "
@@ -263,13 +273,30 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_launch(args: argparse.Namespace) -> int:
+    from jdp.runtime import cluster
     from jdp.runtime.launch import launch
 
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
     if not job:
         raise ConfigError("`jdp launch` needs a command after `--`, e.g. `jdp launch --num-processes 2 -- jdp train`.")
-    return launch(job, args.num_processes, args.cpu_devices_per_process, timeout=args.timeout,
-                  max_restarts=args.max_restarts)
+    plan = None
+    if args.hosts is None:
+        extra = [name for name in ("nic", "cores_per_host", "delay") if getattr(args, name) is not None]
+        if extra:
+            raise ConfigError(f"`{extra[0]}` describes an emulated cluster: add `hosts=H`.")
+        if args.num_processes is None:
+            raise ConfigError("`jdp launch` needs `num_processes=P` (loopback) or `hosts=H` (an emulated cluster).")
+    else:
+        if args.nic is None:
+            raise ConfigError(f"`hosts={args.hosts}` needs `nic=RATE`, each NIC's rate, e.g. `nic=100mbit`.")
+        if args.num_processes not in (None, args.hosts):
+            raise ConfigError(f"`num_processes={args.num_processes}` and `hosts={args.hosts}`: one process per host; "
+                              "drop `num_processes`.")
+        plan = cluster.plan(args.hosts, cluster.parse_rate(args.nic), cores_per_host=args.cores_per_host,
+                            delay_ms=args.delay)
+        cluster.check_privileges()
+    return launch(job, args.num_processes or args.hosts, args.cpu_devices_per_process, timeout=args.timeout,
+                  max_restarts=args.max_restarts, cluster=plan)
 
 
 class _ToStderr(logging.StreamHandler):

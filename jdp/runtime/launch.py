@@ -11,6 +11,11 @@ again, all P processes with `--resume` appended, from the newest complete checkp
 command's `--checkpoint-dir`, up to N times. Not after exit status 2: jdp's errors that a rerun
 repeats (bad input, non-finite values). On a real cluster, the cluster's own launcher (`srun`,
 `mpirun`) plays this part; see the README, "Beyond one process", and docs/faults.md.
+
+With a `cluster` plan (`--hosts H --nic RATE`), the P = H processes run on an emulated cluster
+instead of loopback: process I inside host I's network namespace, pinned to its cores, the
+coordinator at host 0's address; the cluster is built before the first start, kept over restarts,
+and removed however the launcher ends (see `jdp.runtime.cluster`, docs/cluster.md).
 """
 
 import os
@@ -26,6 +31,7 @@ from pathlib import Path
 from typing import TextIO
 
 from jdp.errors import ConfigError, check_positive
+from jdp.runtime import cluster as emulated
 from jdp.runtime.faults import EXIT_PROCESS_LOST
 
 HOST = "127.0.0.1"
@@ -43,10 +49,10 @@ def free_port(host: str = HOST) -> int:
 
 
 def process_command(command: Sequence[str], port: int, num_processes: int, process_id: int,
-                    cpu_devices: int) -> list[str]:
+                    cpu_devices: int, host: str = HOST) -> list[str]:
     """The command line of process `process_id`; a leading `jdp` runs with this interpreter."""
     head = [sys.executable, "-m", "jdp"] if command[0] == "jdp" else list(command[:1])
-    return [*head, *command[1:], "--coordinator", f"{HOST}:{port}", "--num-processes", str(num_processes),
+    return [*head, *command[1:], "--coordinator", f"{host}:{port}", "--num-processes", str(num_processes),
             "--process-id", str(process_id), "--cpu-devices", str(cpu_devices)]
 
 
@@ -57,10 +63,11 @@ def launch(
     *,
     timeout: float | None = None,
     max_restarts: int = 0,
+    cluster: emulated.Plan | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
 ) -> int:
-    """Runs `command` as processes 0..P−1 of one job on 127.0.0.1 and waits for all of them.
+    """Runs `command` as processes 0..P−1 of one job on 127.0.0.1 (or an emulated cluster) and waits for all.
 
     Args:
       command: the program and its arguments, e.g. ["jdp", "train", "--backend", "shard_map"].
@@ -70,6 +77,8 @@ def launch(
         limit covers all restarts.
       max_restarts: how many times a failed job is started again with `--resume` (not after exit
         status 2); the command must then have `--checkpoint-dir`.
+      cluster: the emulated cluster to run on (`jdp.runtime.cluster.plan`), one process per host;
+        None: every process on 127.0.0.1.
       stdout, stderr: where the prefixed output goes (default: sys.stdout, sys.stderr).
 
     Returns:
@@ -78,7 +87,8 @@ def launch(
 
     Raises:
       ConfigError: for an empty command, P or N below 1, a command that sets the job flags itself,
-        or restarts of a command without `--checkpoint-dir`.
+        restarts of a command without `--checkpoint-dir`, or P unlike the cluster's host count.
+      DeviceError: if the cluster cannot be built (no root, no `ip`/`tc`, no netem for a delay).
     """
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     if not command:
@@ -94,12 +104,41 @@ def launch(
     if max_restarts and not _has(command, "--checkpoint-dir"):
         raise ConfigError(f"`max_restarts={max_restarts}` restarts the job from its newest checkpoint: the command "
                           "needs `--checkpoint-dir DIR` (and `--checkpoint-every STEPS` to lose no more than that).")
+    if cluster is not None and len(cluster.hosts) != num_processes:
+        raise ConfigError(f"`num_processes={num_processes}` must equal the emulated cluster's "
+                          f"`hosts={len(cluster.hosts)}`: one process per host.")
     lock = threading.Lock()
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if on_main_thread:  # SIGTERM to the launcher stops the job (and removes the cluster): `finally` blocks run
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        if cluster is None:
+            return _launch(command, num_processes, cpu_devices_per_process, timeout, max_restarts, None,
+                           stdout, stderr, lock)
+        with emulated.up(cluster, lambda line: _say(line, stderr, lock)):
+            _say(f"{num_processes} emulated hosts ({' '.join(h.namespace for h in cluster.hosts)}), NICs at "
+                 f"{emulated.format_rate(cluster.rate_bps)} each way, cores "
+                 f"{' | '.join(','.join(map(str, h.cores)) for h in cluster.hosts)}", stderr, lock)
+            try:
+                return _launch(command, num_processes, cpu_devices_per_process, timeout, max_restarts, cluster,
+                               stdout, stderr, lock)
+            finally:
+                for line in emulated.describe_traffic(emulated.traffic(cluster), cluster.rate_bps):
+                    _say(line, stderr, lock)
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _launch(command: Sequence[str], num_processes: int, cpu_devices_per_process: int, timeout: float | None,
+            max_restarts: int, cluster: emulated.Plan | None, stdout: TextIO, stderr: TextIO,
+            lock: threading.Lock) -> int:
+    """`launch`'s loop of starts and restarts; returns its exit status."""
     deadline = None if timeout is None else time.monotonic() + timeout
     attempt = 0
     while True:
         run = command if attempt == 0 else with_resume(command)
-        pids, failure = _run_job(run, num_processes, cpu_devices_per_process, deadline, stdout, stderr, lock)
+        pids, failure = _run_job(run, num_processes, cpu_devices_per_process, deadline, cluster, stdout, stderr, lock)
         if failure is None:
             return 0
         index, code = failure
@@ -109,7 +148,7 @@ def launch(
         failed = f"process {index} (pid {pids[index]}) failed: {_describe(code)}; " \
                  f"stopped the other {num_processes - 1} process(es)"
         if attempt == max_restarts or code == NOT_RESTARTED:
-            _say(f"{failed}{_how_to_go_on(command, num_processes, cpu_devices_per_process)}.", stderr, lock)
+            _say(f"{failed}{_how_to_go_on(command, num_processes, cpu_devices_per_process, cluster)}.", stderr, lock)
             return code if code > 0 else 1
         attempt += 1
         _say(f"{failed}; restart {attempt} of {max_restarts}: all {num_processes} processes with --resume, "
@@ -117,14 +156,22 @@ def launch(
         time.sleep(RESTART_WAIT_S)
 
 
-def _how_to_go_on(command: Sequence[str], num_processes: int, cpu_devices: int) -> str:
+def _how_to_go_on(command: Sequence[str], num_processes: int, cpu_devices: int,
+                  cluster: emulated.Plan | None = None) -> str:
     """"; go on from the newest checkpoint in DIR with `jdp launch ... --resume`", for a command that saves them."""
     directory = _value(command, "--checkpoint-dir")
     if directory is None:
         return ""
-    again = ["jdp", "launch", "--num-processes", str(num_processes), "--cpu-devices-per-process", str(cpu_devices),
-             "--", *with_resume(command)]
+    where = ["--num-processes", str(num_processes)] if cluster is None else cluster_flags(cluster)
+    again = ["jdp", "launch", *where, "--cpu-devices-per-process", str(cpu_devices), "--", *with_resume(command)]
     return f"; go on from the newest checkpoint in {directory} with `{shlex.join(again)}`"
+
+
+def cluster_flags(cluster: emulated.Plan) -> list[str]:
+    """The `jdp launch` flags that make the same emulated cluster again."""
+    delay = [] if cluster.delay_ms is None else ["--delay", f"{cluster.delay_ms:g}"]
+    return ["--hosts", str(len(cluster.hosts)), "--nic", emulated.format_rate(cluster.rate_bps),
+            "--cores-per-host", str(len(cluster.hosts[0].cores)), *delay]
 
 
 def with_resume(command: Sequence[str]) -> list[str]:
@@ -147,18 +194,20 @@ def _has(command: Sequence[str], flag: str) -> bool:
 
 
 def _run_job(command: Sequence[str], num_processes: int, cpu_devices: int, deadline: float | None,
-             stdout: TextIO, stderr: TextIO, lock: threading.Lock) -> tuple[list[int], tuple[int | None, int] | None]:
+             cluster: emulated.Plan | None, stdout: TextIO, stderr: TextIO,
+             lock: threading.Lock) -> tuple[list[int], tuple[int | None, int] | None]:
     """Starts the P processes, waits as `_watch`, stops them all; returns their pids and `_watch`'s result."""
-    port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    port = free_port()  # on loopback; in a fresh namespace of the cluster every port is free
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+           **({} if cluster is None else cluster.environment())}
+    host = HOST if cluster is None else cluster.coordinator_host
     procs: list[subprocess.Popen] = []
     readers: list[threading.Thread] = []
-    on_main_thread = threading.current_thread() is threading.main_thread()
-    if on_main_thread:  # SIGTERM to the launcher stops the job too (the `finally` below runs)
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         for i in range(num_processes):
-            cmd = process_command(command, port, num_processes, i, cpu_devices)
+            cmd = process_command(command, port, num_processes, i, cpu_devices, host)
+            if cluster is not None:
+                cmd = [*cluster.process_prefix(i), *cmd]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     env=env, start_new_session=True)
             procs.append(proc)
@@ -171,8 +220,6 @@ def _run_job(command: Sequence[str], num_processes: int, cpu_devices: int, deadl
         _stop(procs)
         for reader in readers:
             reader.join(timeout=STOP_GRACE_S)
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, previous)
     return [proc.pid for proc in procs], failure
 
 

@@ -1,0 +1,49 @@
+"""Why jdp's ring on two hosts gets half the NIC: a swap of ppermutes against a one-way send and Gloo's psum.
+
+Run under `jdp launch --hosts 2 --nic RATE -- python scripts/exchange_probe.py BYTES` (as root; the
+launcher appends the job flags). Each process holds BYTES of float32; printed by process 0, the mean of 5
+calls after a warm-up: a one-way `ppermute` (host 0 → host 1), a swap (both ways in one `ppermute`) and
+`psum`. On a full-duplex link a swap takes as long as a one-way send; measured, it takes twice as long.
+"""
+
+import argparse
+import sys
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("bytes", type=int)
+    for flag in ("--coordinator", "--num-processes", "--process-id", "--cpu-devices"):
+        p.add_argument(flag)
+    args = p.parse_args()
+    from jdp.flags import setup_devices
+
+    devices = setup_devices(argparse.Namespace(cpu_devices=int(args.cpu_devices), devices=None, no_xla_flags=False,
+                                               coordinator=args.coordinator, num_processes=int(args.num_processes),
+                                               process_id=int(args.process_id)))
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from jdp.parallel.layout import map_over_devices, sharded
+    from jdp.runtime.devices import AXIS
+
+    k = len(devices)
+    x = jax.jit(lambda: jnp.ones((k, args.bytes // 4)), out_shardings=sharded(devices))()
+    exchanges = {"one way": lambda row: (lax.ppermute(row, AXIS, [(0, 1)]),),
+                 "swap": lambda row: (lax.ppermute(row, AXIS, [(0, 1), (1, 0)]),),
+                 "psum": lambda row: (lax.psum(row, AXIS),)}
+    for name, exchange in exchanges.items():
+        run = map_over_devices(exchange, devices, "shard_map", ("per_device",), ("per_device",))
+        jax.block_until_ready(run(x))
+        start = time.perf_counter()
+        for _ in range(5):
+            jax.block_until_ready(run(x))
+        if jax.process_index() == 0:
+            print(f"{name}: {args.bytes / 1e6:.1f} MB per device, {(time.perf_counter() - start) / 5 * 1e3:.1f} ms",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
