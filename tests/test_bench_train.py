@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from jdp.bench import baselines, machine
+from jdp.bench import loop as bench_loop
 from jdp.bench import train as bench_train
 from jdp.cli import main as cli
 
@@ -138,3 +139,15 @@ def test_table_shows_each_precision_and_the_ratios():
     assert lines[2].split()[:2] == ["float32", "1"] and lines[2].split()[-3:] == ["1.00x", "2.00x", "split-2"]
     assert lines[3].split()[:2] == ["bf16", "1"] and lines[3].split()[-3:] == ["2.00x", "4.00x", "split-2"]
     assert "float32 100.0, bf16 200.0" in lines[4] and "test box" in lines[5] and "(500 img/s)" in lines[5]
+
+
+def test_the_loop_bench_times_train_and_a_bare_loop_in_each_round(devices):
+    record = bench_loop.bench_loop(devices[:1], batch_size=16, steps=20, rounds=2, hidden=8)
+    assert record["model"] == "tiny-mlp-8" and record["devices"] == 1
+    assert {name: len(times) for name, times in record["rounds"].items()} == {"train_s": 2, "bare_s": 2, "windowed_s": 2}
+    best = record["seconds_per_step"]
+    assert best == {name: min(times) for name, times in record["rounds"].items()} and min(best.values()) > 0
+    assert record["train_vs_bare"] == pytest.approx(best["train_s"] / best["bare_s"])
+    json.dumps(record)  # what --out writes
+    table = bench_loop.format_table([record], "header")
+    assert table.splitlines()[2].split()[0] == "1" and "target train/bare <= 1.3" in table

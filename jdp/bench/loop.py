@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jdp import data
 from jdp.bench.machine import machine
@@ -138,10 +137,6 @@ def run_loop_bench(args: argparse.Namespace) -> int:
     if out is not None:
         record = {"benchmark": "loop", "machine": before, "load_average_after": machine()["load_average"],
                   "device_kind": devices[0].device_kind, "results": records}
-        (out / "bench_loop.json").write_text(json.dumps(record, indent=2, default=_json) + "\n")
+        (out / "bench_loop.json").write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {out / 'bench_loop.json'}")
     return 0
-
-
-def _json(value: Any) -> Any:
-    return value.item() if isinstance(value, np.generic) else str(value)

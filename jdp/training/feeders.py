@@ -162,6 +162,12 @@ class Parts(NamedTuple):
     fold: Fold
     unrolled: bool  # repeat S steps unrolled (CPU) or as a `lax.scan` (elsewhere)
 
+    def one(self, carry: Carry, x: jax.Array, y: jax.Array) -> tuple[Carry, jax.Array]:
+        """One step as its own call, then the fold as another (a step that cannot be traced inside `jax.jit`)."""
+        params, opt_state, tally = carry
+        params, opt_state, loss = self.step(params, opt_state, x, y)
+        return (params, opt_state, self.fold(tally, params, loss)), loss
+
     def steps(self, carry: Carry, xs: Any, length: int, fetch: Callable | None = None) -> tuple[Carry, jax.Array]:
         """`length` train steps and the fold, traced: over the leading axis of `xs`, or, with `fetch`,
         `fetch(t) -> (x, y, t)` from a batch index carried in `xs`. Returns the carry and the losses (k, S)."""
@@ -223,11 +229,9 @@ def _resident_runner(parts, split, devices, batch_size, calls, traceable) -> Epo
             if traceable:
                 params, opt_state, tally, position["t"], loss = p_chunk(
                     (params, opt_state), tally, images, labels, order, position["t"], length=length)
-            else:
-                x, y, position["t"] = p_fetch(images, labels, order, position["t"])
-                params, opt_state, loss = parts.step(params, opt_state, x, y)
-                tally = parts.fold(tally, params, loss)
-            return (params, opt_state, tally), loss
+                return (params, opt_state, tally), loss
+            x, y, position["t"] = p_fetch(images, labels, order, position["t"])
+            return parts.one(carry, x, y)
 
         calls_left = calls(start)
         return _run_calls(carry, progress(calls_left, len(calls_left)), run_call, after_call)
@@ -264,12 +268,11 @@ def _host_runner(parts, split, devices, batch_size, backend, calls, chunked) -> 
                   after_call: AfterCall | None = None) -> tuple[Carry, list[jax.Array]]:
         def run_call(carry, call):
             _, xs, ys = call
+            if not chunked:
+                return parts.one(carry, xs, ys)
             params, opt_state, tally = carry
-            if chunked:
-                *carry, loss = p_chunk((params, opt_state), tally, xs, ys)
-                return tuple(carry), loss
-            params, opt_state, loss = parts.step(params, opt_state, xs, ys)
-            return (params, opt_state, parts.fold(tally, params, loss)), loss
+            *carry, loss = p_chunk((params, opt_state), tally, xs, ys)
+            return tuple(carry), loss
 
         work = progress(_one_ahead(placed(key, start)), len(calls(start)))
         return _run_calls(carry, work, run_call, after_call, steps=lambda call: call[0])
