@@ -1,6 +1,7 @@
 """Simulate 8 CPU devices before anything starts JAX's backend (tests run without a GPU), and share one
 XLA compilation cache between the tests of a run."""
 
+import gc
 import os
 import shutil
 import tempfile
@@ -55,6 +56,17 @@ def formulation_pinned(tmp_path_factory):
         del os.environ[formulation.CACHE_ENV]
     else:
         os.environ[formulation.CACHE_ENV] = saved
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_code_freed():
+    """Frees each module's compiled executables when it ends. XLA:CPU maps every executable's code into
+    memory; one process running the whole tier kept tens of thousands of maps until Linux's limit
+    (vm.max_map_count, 65530) made LLVM fail to allocate ("Cannot allocate memory") and the process
+    crash. The compilation cache on disk keeps recompiling cheap."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture
