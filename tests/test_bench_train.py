@@ -118,7 +118,8 @@ def test_rounds_time_every_device_count_and_precision_in_turn(monkeypatch):
 
     monkeypatch.setattr(bench_train, "prepare", fake_prepare)
     monkeypatch.setattr(bench_train, "matmul_peak", lambda device, precision_name: 1e11)
-    record = bench_train.bench_train(jax.devices()[:2], None, steps=4, rounds=2, precisions=("float32", "bf16"))
+    record = bench_train.bench_train(jax.devices()[:2], None, timing=bench_train.Timing(steps=4, rounds=2),
+                                     precisions=("float32", "bf16"))
     assert visits == [(r, k, name) for r in range(2) for k in (1, 2) for name in ("float32", "bf16")]
     first = record["results"][0]
     assert (first["devices"], first["precision"], first["epoch_s"]) == (1, "float32", [1.0, 1.1])

@@ -103,7 +103,7 @@ def test_bad_plans_are_refused():
     with pytest.raises(ConfigError, match="delay"):
         cluster.plan(2, 10**8, delay_ms=-1)
     with pytest.raises(ConfigError, match="must equal the emulated cluster's `hosts=2`"):
-        launch.launch(["jdp", "train"], 3, 1, cluster=cluster.plan(2, 10**8))
+        launch.launch(launch.Job(["jdp", "train"], 3, 1, cluster=cluster.plan(2, 10**8)))
 
 
 def test_leftovers_are_the_jdp_namespaces_of_dead_launchers_only():

@@ -267,7 +267,7 @@ def test_launcher_gives_up_after_max_restarts_and_never_restarts_exit_status_2(t
 
 def test_launcher_restarts_need_a_checkpoint_dir_and_names_the_cause_not_the_witness():
     with pytest.raises(ConfigError, match="needs `--checkpoint-dir DIR`"):
-        launch.launch(["jdp", "train"], 2, 1, max_restarts=1)
+        launch.launch(launch.Job(["jdp", "train"], 2, 1), max_restarts=1)
     assert launch.with_resume(["jdp", "train", "--resume"]) == ["jdp", "train", "--resume"]
 
     class Exited:

@@ -65,7 +65,7 @@ def test_launcher_appends_the_job_flags_and_uses_this_interpreter():
     assert cmd == [sys.executable, "-m", "jdp", "train", "--epochs", "1", "--coordinator", "127.0.0.1:1234",
                    "--num-processes", "2", "--process-id", "1", "--cpu-devices", "4"]
     with pytest.raises(ConfigError, match="must not set `--process-id`"):
-        launch.launch(["jdp", "train", "--process-id", "0"], 2, 2)
+        launch.launch(launch.Job(["jdp", "train", "--process-id", "0"], 2, 2))
 
 
 # --- flags and the per-process slice of a batch ---------------------------------------------------

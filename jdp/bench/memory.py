@@ -19,7 +19,7 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -39,6 +39,14 @@ from jdp.runtime.devices import AXIS
 from jdp.training import optimizers
 
 MODES = ("replicated", "sharded")
+
+
+class Timing(NamedTuple):
+    """How a step is timed, both ways: batches of `batch_size`, the median of `repeats` runs of `steps` steps."""
+
+    batch_size: int = 256
+    steps: int = 5
+    repeats: int = 3
 
 
 def add_parser(benchmarks: argparse._SubParsersAction) -> None:
@@ -98,10 +106,10 @@ def diloco_opt_state(model: models.Model, variables: Any, optimizer_name: str, d
 
 
 def step_seconds(model: models.Model, variables: Any, optimizer_name: str, devices: Sequence[jax.Device],
-                 batch_size: int, steps: int, repeats: int) -> dict[str, list[float]]:
+                 timing: Timing) -> dict[str, list[float]]:
     """Seconds per step of the replicated and the sharded step, their repeats interleaved."""
     optimizer = optimizers.make(optimizer_name, 1e-3)
-    split = data.synthetic(jax.random.key(0), n_train=batch_size, n_test=1).train
+    split = data.synthetic(jax.random.key(0), n_train=timing.batch_size, n_test=1).train
     x, y = split_batch(split.images, split.labels, devices)
     params = models.trainable(model, variables)
     runs = {}
@@ -112,17 +120,17 @@ def step_seconds(model: models.Model, variables: Any, optimizer_name: str, devic
                  init_sharded(optimizer, params, devices) if sharded
                  else replicate(optimizer.init(params), devices))
         runs[mode] = [step, repeat_step(step, state, x, y, 2), []]  # warm-up: compile
-    for _ in range(repeats):
+    for _ in range(timing.repeats):
         for run in runs.values():
             start = time.perf_counter()
-            run[1] = repeat_step(run[0], run[1], x, y, steps)
-            run[2].append((time.perf_counter() - start) / steps)
+            run[1] = repeat_step(run[0], run[1], x, y, timing.steps)
+            run[2].append((time.perf_counter() - start) / timing.steps)
     return {mode: samples for mode, (_, _, samples) in runs.items()}
 
 
 def bench_memory(devices: Sequence[jax.Device], model_names: Sequence[str], optimizer_names: Sequence[str],
-                 ks: Sequence[int], *, time_models: Sequence[str] = ("lenet",), batch_size: int = 256,
-                 steps: int = 5, repeats: int = 3) -> list[dict[str, Any]]:
+                 ks: Sequence[int], *, time_models: Sequence[str] = ("lenet",),
+                 timing: Timing = Timing()) -> list[dict[str, Any]]:
     """One row per (model, optimizer, k, mode): bytes per device of each part, and ms per step if timed."""
     rows = []
     for model_name in model_names:
@@ -130,7 +138,7 @@ def bench_memory(devices: Sequence[jax.Device], model_names: Sequence[str], opti
         variables = jax.device_get(model.init(jax.random.key(0)))  # once: a ResNet-18 init compiles for minutes
         for optimizer_name in optimizer_names:
             for k in ks:
-                timed = (step_seconds(model, variables, optimizer_name, devices[:k], batch_size, steps, repeats)
+                timed = (step_seconds(model, variables, optimizer_name, devices[:k], timing)
                          if model_name in time_models else {})
                 for mode in MODES:
                     arrays = held_arrays(model, variables, optimizer_name, devices[:k], mode == "sharded")
@@ -206,7 +214,7 @@ def run_memory_bench(args: argparse.Namespace) -> int:
         if args.batch_size % k:
             raise ConfigError(f"`batch_size={args.batch_size}` must be divisible by every `ks` value, not by {k}.")
     rows = bench_memory(devices, args.models, args.optimizers, sorted(set(args.ks)), time_models=args.time_models,
-                        batch_size=args.batch_size, steps=args.steps, repeats=args.repeats)
+                        timing=Timing(args.batch_size, args.steps, args.repeats))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     stack = machine(devices)
     header = (f"# jdp bench memory: bytes per device (largest device), replicated vs `--shard-optimizer`, on "

@@ -22,7 +22,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -152,19 +152,25 @@ def prepare(
     return timed_round
 
 
+class Timing(NamedTuple):
+    """How each configuration is timed: `steps` batches of `batch_size` per measurement, the fastest of `rounds`."""
+
+    batch_size: int = 256
+    steps: int = 40
+    rounds: int = 3
+
+
 def bench_train(
     devices: Sequence[jax.Device],
     split: data.Split,
     *,
-    batch_size: int = 256,
-    steps: int = 40,
-    rounds: int = 3,
+    timing: Timing = Timing(),
     formulations: Mapping[int, str] | None = None,
     steps_per_call: int = 1,
     precisions: Sequence[str] = ("float32",),
     baseline: baselines.Baseline | None = None,
 ) -> dict[str, Any]:
-    """Measures 1, 2 and len(devices) devices (those dividing `batch_size`) in each precision, and the ratios.
+    """Measures 1, 2 and len(devices) devices (those dividing `timing.batch_size`) in each precision, and the ratios.
 
     Every (device count, precision) is compiled first; then each round times all of them in turn, so
     load from other processes and the machine's drift over the run bias them alike. `formulations`:
@@ -174,6 +180,7 @@ def bench_train(
       {"matmul_peak_flops": {precision: FLOP/s}, "flops_per_image", "results": [one row per precision and
       device count], "targets" (on the float32 rows, if any), "baseline" (the committed one used, or None)}.
     """
+    batch_size, steps, rounds = timing
     counts = device_counts(len(devices), batch_size)
     formulations = {k: (formulations or {}).get(k, "fast") for k in counts}
     peaks = {name: matmul_peak(devices[0], precision_name=name) for name in precisions}
@@ -289,7 +296,7 @@ def run_train_bench(args: argparse.Namespace) -> int:
     kind, cache = this_kind(devices[0].device_kind), read_cache()
     choices = {k: resolve(args.formulation, kind, k, cache) for k in device_counts(len(devices), args.batch_size)}
     baseline = baselines.find(before, devices[0], batch_size=args.batch_size, formulation=args.formulation)
-    record = bench_train(devices, split, batch_size=args.batch_size, steps=args.steps, rounds=args.rounds,
+    record = bench_train(devices, split, timing=Timing(args.batch_size, args.steps, args.rounds),
                          formulations={k: c.formulation for k, c in choices.items()},
                          steps_per_call=args.steps_per_call, precisions=precisions, baseline=baseline)
     record["formulations"] = {k: c.to_json() for k, c in choices.items()}

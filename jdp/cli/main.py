@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from jdp.cli.errors import as_flags, option_flags
 from jdp.errors import ConfigError, JdpError, ProcessLostError
@@ -28,20 +29,35 @@ from jdp.flags import (
 )
 from jdp.runtime.faults import in_job
 
+if TYPE_CHECKING:
+    import jax
+
+    from jdp.data import Dataset
+    from jdp.training.config import TrainConfig
+    from jdp.training.loop import EpochRecord
+    from jdp.training.profile import Profiler
+    from jdp.training.stragglers import Stopwatch
+
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `jdp` parser: one subparser per command, each built by its own function below."""
     parser = OneLineErrorParser(
         prog="jdp", description="Data-parallel training of the lesson's LeNet in functional JAX."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from jdp.data import DATASETS
-    from jdp.models import BATCHNORM
-    from jdp.models.lenet_fast import FORMULATIONS
-    from jdp.models.precision import PRECISIONS
-    from jdp.parallel.allreduce import names as allreduce_names
-    from jdp.parallel.sync import DEFAULT_EVERY, DILOCO_OUTER, OUTER_OPTIMIZERS, SYNC_MODES
-    from jdp.training.evaluate import EVAL_ON
+    _add_train_parser(commands)
+    _add_bench_parser(commands)
+    from jdp.bench import predict
+    from jdp.cli import compare
 
+    compare.add_parser(commands)
+    predict.add_parser(commands)
+    _add_launch_parser(commands)
+    return parser
+
+
+def _add_train_parser(commands: argparse._SubParsersAction) -> None:
+    """`jdp train`: its flags in the order `--help` lists them."""
     train = commands.add_parser(
         "train", help="train a model (LeNet by default) data-parallel and report test accuracy per epoch",
         description="Train the lesson's LeNet (or --model) data-parallel: replicate params, split each batch "
@@ -49,6 +65,24 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_device_flags(train)
+    _add_step_flags(train)
+    _add_data_and_model_flags(train)
+    _add_record_flags(train)
+    add_backend_flag(train)
+    add_optimizer_flags(train)
+    _add_sync_flags(train)
+    add_job_flags(train)
+    train.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
+                       help="multi-process: end every process (exit status 75) when no step finished for SECONDS, "
+                       "naming the processes that did not arrive (default: 20x the slowest step seen, 60 to 600 s; "
+                       "docs/faults.md)")
+    train.set_defaults(run=run_train)
+
+
+def _add_step_flags(train: argparse.ArgumentParser) -> None:
+    """`jdp train`'s batch, learning rate, epochs and how the gradients are allreduced."""
+    from jdp.parallel.allreduce import names as allreduce_names
+
     train.add_argument("--batch-size", type=int, default=256, help="global batch, split over the devices")
     train.add_argument("--lr", type=float, default=0.2, help="SGD learning rate (on the full-batch mean gradient)")
     train.add_argument("--epochs", type=int, default=10)
@@ -62,6 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--bucket-mb", type=float, default=None, metavar="M",
                        help="with --fuse: buckets of at most M MB (like DDP's bucket_cap_mb) instead of one buffer")
     add_compress_flags(train)
+
+
+def _add_data_and_model_flags(train: argparse.ArgumentParser) -> None:
+    """`jdp train`'s dataset, evaluation, output, model, its formulation and precision."""
+    from jdp.data import DATASETS
+    from jdp.models import BATCHNORM
+    from jdp.models.lenet_fast import FORMULATIONS
+    from jdp.models.precision import PRECISIONS
+    from jdp.training.evaluate import EVAL_ON
+
     train.add_argument("--dataset", default="fashion_mnist", choices=DATASETS)
     train.add_argument("--data-dir", default=None,
                        help="folder with the four IDX files (default: $JDP_DATA_DIR, ../shared/data/fashion-mnist, "
@@ -89,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--precision", default="float32", choices=list(PRECISIONS),
                        help="compute dtype of the forward and backward passes; params, optimizer state, loss, "
                        "gradients and their allreduce stay float32 (docs/performance.md)")
+
+
+def _add_record_flags(train: argparse.ArgumentParser) -> None:
+    """`jdp train`'s checkpoints, replica checks, TensorBoard scalars and profiler traces."""
     train.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                        help="save params, optimizer and data-order state here (atomically; the last two kept)")
     train.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
@@ -106,8 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--profile-steps", default=None, metavar="A:B",
                        help="with --profile: the steps to trace, counted from 1 (default: 3:12, cut to the run's "
                        "length; the first steps compile)")
-    add_backend_flag(train)
-    add_optimizer_flags(train)
+
+
+def _add_sync_flags(train: argparse.ArgumentParser) -> None:
+    """`jdp train`'s group of flags for when the replicas meet, and a straggler to simulate."""
+    from jdp.parallel.sync import DEFAULT_EVERY, DILOCO_OUTER, OUTER_OPTIMIZERS, SYNC_MODES
+
     sync = train.add_argument_group("when the replicas meet (docs/sync.md)")
     sync.add_argument("--sync", default="every-step", choices=SYNC_MODES,
                       help="every-step: allreduce the gradients every step (the lesson's); local-sgd: each device "
@@ -125,13 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--simulate-straggler", default=None, metavar="PROCESS:SECONDS[:EVERY]",
                       help="multi-process: process PROCESS sleeps SECONDS before every EVERY-th step (default every "
                       "step); every process times its steps and syncs, and the run reports them per process")
-    add_job_flags(train)
-    train.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
-                       help="multi-process: end every process (exit status 75) when no step finished for SECONDS, "
-                       "naming the processes that did not arrive (default: 20x the slowest step seen, 60 to 600 s; "
-                       "docs/faults.md)")
-    train.set_defaults(run=run_train)
 
+
+def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    """`jdp bench` and its benchmarks, each a module of `jdp.bench`."""
     bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side in one run")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     from jdp.bench import allreduce, formulations, loop, memory, step
@@ -140,12 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (allreduce, step, train_bench, loop, memory, formulations):  # each benchmark adds its own subcommand
         module.add_parser(benchmarks)
 
-    from jdp.bench import predict
-    from jdp.cli import compare
 
-    compare.add_parser(commands)
-    predict.add_parser(commands)
-
+def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
+    """`jdp launch`: P processes on loopback, or one on each host of an emulated cluster."""
     launch = commands.add_parser(
         "launch", help="run a multi-process job on this machine, over loopback or an emulated cluster",
         description="Start P processes of COMMAND on 127.0.0.1, each with its own --process-id, "
@@ -174,18 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "the newest complete checkpoint, up to N times (the command needs --checkpoint-dir)")
     launch.add_argument("job", nargs=argparse.REMAINDER, help="-- and the command, e.g. -- jdp train --epochs 1")
     launch.set_defaults(run=run_launch)
-    return parser
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
+    """`jdp train`: every flag checked before any work, then the run, its summary lines and `--out`'s files."""
     from jdp import data, plot
     from jdp.runtime.devices import describe
-    from jdp.runtime.faults import end_process
     from jdp.training import checkpoint, formulation
-    from jdp.training.config import TrainConfig, learning_rate, payload_bytes
-    from jdp.training.loop import train
+    from jdp.training.config import TrainConfig, payload_bytes
     from jdp.training.profile import Profiler, default_window, parse_steps
     from jdp.training.stragglers import Stopwatch, Straggler, format_report
 
@@ -202,10 +244,6 @@ def run_train(args: argparse.Namespace) -> int:
     profiler = None if args.profile is None else Profiler(args.profile, first, last, len(devices),
                                                           config.strategy().where)
 
-    def progress(batches, total):
-        quiet = args.no_progress or not sys.stderr.isatty()  # in a log: only the epoch lines below
-        return tqdm(batches, total=total, unit="step", leave=False, disable=quiet, file=sys.stderr)
-
     import jax
 
     config, choice = formulation.settle(config, devices, args.checkpoint_dir, args.resume)
@@ -213,33 +251,7 @@ def run_train(args: argparse.Namespace) -> int:
     settings["formulation"] = choice.formulation  # what ran, not "auto"
     if choice.requested != choice.formulation and args.model == "lenet" and jax.process_index() == 0:
         print(f"formulation: {choice.formulation} ({choice.source})", flush=True)
-    board = None
-    if args.tensorboard is not None and jax.process_index() == 0:  # one writer per multi-process job
-        from jdp.training.tensorboard import TensorBoardWriter
-
-        board = TensorBoardWriter(args.tensorboard, settings, learning_rate(config), payload_bytes(config))
-    # every process reads the step losses (a collective with several processes); process 0 writes them
-    on_steps = None if args.tensorboard is None else board.steps if board is not None else lambda first, losses: None
-
-    def on_epoch(record):
-        print(f"epoch {record.epoch:3d}  train loss {record.train_loss:.4f}  "
-              f"test acc {record.test_acc:.4f}  {record.seconds:.1f} s", flush=True)
-        if board is not None:
-            board.epoch(record)
-
-    def on_lost(line):  # a lost process: one line in this command's flags, then the exit of jdp.runtime.faults
-        end_process(as_flags(line, option_flags(build_parser(), args)))
-
-    try:
-        _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress, on_steps=on_steps,
-                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                           resume=args.resume, check_replicas=args.check_replicas, profile=profiler,
-                           stopwatch=stopwatch, collective_timeout=args.collective_timeout, on_lost=on_lost)
-    except ProcessLostError as e:
-        on_lost(str(e))
-    finally:
-        if board is not None:
-            board.close()
+    history = _train_and_log(args, config, dataset, devices, settings, profiler, stopwatch)
     stragglers = None if stopwatch is None else stopwatch.report()  # a collective: before process 0 alone writes
     if stragglers is not None and jax.process_index() == 0:
         print(format_report(stragglers), flush=True)
@@ -272,9 +284,57 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_and_log(args: argparse.Namespace, config: "TrainConfig", dataset: "Dataset",
+                   devices: "Sequence[jax.Device]", settings: dict, profiler: "Profiler | None",
+                   stopwatch: "Stopwatch | None") -> "list[EpochRecord]":
+    """`train` with what the flags ask for around it: progress bars, epoch lines, TensorBoard scalars.
+
+    A lost process ends this one with a line that names this command's flags, not `train`'s arguments.
+    """
+    import jax
+    from tqdm import tqdm
+
+    from jdp.runtime.faults import end_process
+    from jdp.training.config import learning_rate, payload_bytes
+    from jdp.training.loop import train
+
+    def progress(batches, total):
+        quiet = args.no_progress or not sys.stderr.isatty()  # in a log: only the epoch lines below
+        return tqdm(batches, total=total, unit="step", leave=False, disable=quiet, file=sys.stderr)
+
+    board = None
+    if args.tensorboard is not None and jax.process_index() == 0:  # one writer per multi-process job
+        from jdp.training.tensorboard import TensorBoardWriter
+
+        board = TensorBoardWriter(args.tensorboard, settings, learning_rate(config), payload_bytes(config))
+    # every process reads the step losses (a collective with several processes); process 0 writes them
+    on_steps = None if args.tensorboard is None else board.steps if board is not None else lambda first, losses: None
+
+    def on_epoch(record):
+        print(f"epoch {record.epoch:3d}  train loss {record.train_loss:.4f}  "
+              f"test acc {record.test_acc:.4f}  {record.seconds:.1f} s", flush=True)
+        if board is not None:
+            board.epoch(record)
+
+    def on_lost(line):  # a lost process: one line in this command's flags, then the exit of jdp.runtime.faults
+        end_process(as_flags(line, option_flags(build_parser(), args)))
+
+    try:
+        _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress, on_steps=on_steps,
+                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                           resume=args.resume, check_replicas=args.check_replicas, profile=profiler,
+                           stopwatch=stopwatch, collective_timeout=args.collective_timeout, on_lost=on_lost)
+    except ProcessLostError as e:
+        on_lost(str(e))
+    finally:
+        if board is not None:
+            board.close()
+    return history
+
+
 def run_launch(args: argparse.Namespace) -> int:
     from jdp.runtime import cluster
-    from jdp.runtime.launch import launch
+    from jdp.runtime.launch import Job, launch
 
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
     if not job:
@@ -295,8 +355,8 @@ def run_launch(args: argparse.Namespace) -> int:
         plan = cluster.plan(args.hosts, cluster.parse_rate(args.nic), cores_per_host=args.cores_per_host,
                             delay_ms=args.delay)
         cluster.check_privileges()
-    return launch(job, args.num_processes or args.hosts, args.cpu_devices_per_process, timeout=args.timeout,
-                  max_restarts=args.max_restarts, cluster=plan)
+    return launch(Job(job, args.num_processes or args.hosts, args.cpu_devices_per_process, cluster=plan),
+                  timeout=args.timeout, max_restarts=args.max_restarts)
 
 
 class _ToStderr(logging.StreamHandler):

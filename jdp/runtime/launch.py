@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -56,29 +57,54 @@ def process_command(command: Sequence[str], port: int, num_processes: int, proce
             "--process-id", str(process_id), "--cpu-devices", str(cpu_devices)]
 
 
-def launch(
-    command: Sequence[str],
-    num_processes: int,
-    cpu_devices_per_process: int,
-    *,
-    timeout: float | None = None,
-    max_restarts: int = 0,
-    cluster: emulated.Plan | None = None,
-    stdout: TextIO | None = None,
-    stderr: TextIO | None = None,
-) -> int:
-    """Runs `command` as processes 0..P−1 of one job on 127.0.0.1 (or an emulated cluster) and waits for all.
+@dataclass(frozen=True)
+class Job:
+    """What `launch` runs: P processes of one command, and where (loopback or an emulated cluster).
 
-    Args:
+    Attributes:
       command: the program and its arguments, e.g. ["jdp", "train", "--backend", "shard_map"].
       num_processes: P, the number of processes.
       cpu_devices_per_process: CPU devices each process simulates (`--cpu-devices`).
+      cluster: the emulated cluster to run on (`jdp.runtime.cluster.plan`), one process per host;
+        None: every process on 127.0.0.1.
+    """
+
+    command: Sequence[str]
+    num_processes: int
+    cpu_devices_per_process: int
+    cluster: emulated.Plan | None = None
+
+
+@dataclass(frozen=True)
+class _Output:
+    """Where the launcher and its processes write; the lock keeps their lines whole when threads interleave."""
+
+    stdout: TextIO
+    stderr: TextIO
+    lock: threading.Lock
+
+    def say(self, message: str) -> None:
+        """The launcher's own line, on stderr."""
+        with self.lock:
+            print(f"jdp launch: {message}", file=self.stderr, flush=True)
+
+
+def launch(
+    job: Job,
+    *,
+    timeout: float | None = None,
+    max_restarts: int = 0,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
+    """Runs `job.command` as processes 0..P−1 of one job on 127.0.0.1 (or an emulated cluster) and waits for all.
+
+    Args:
+      job: the command, P, the CPU devices of each process, and the emulated cluster if any.
       timeout: seconds after which every process still running is stopped (None: no limit); the
         limit covers all restarts.
       max_restarts: how many times a failed job is started again with `--resume` (not after exit
         status 2); the command must then have `--checkpoint-dir`.
-      cluster: the emulated cluster to run on (`jdp.runtime.cluster.plan`), one process per host;
-        None: every process on 127.0.0.1.
       stdout, stderr: where the prefixed output goes (default: sys.stdout, sys.stderr).
 
     Returns:
@@ -90,11 +116,11 @@ def launch(
         restarts of a command without `--checkpoint-dir`, or P unlike the cluster's host count.
       DeviceError: if the cluster cannot be built (no root, no `ip`/`tc`, no netem for a delay).
     """
-    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    command, num_processes, cluster = job.command, job.num_processes, job.cluster
     if not command:
         raise ConfigError('`command` is empty: pass the program and its arguments, e.g. ["jdp", "train"].')
     check_positive("num_processes", num_processes)
-    check_positive("cpu_devices_per_process", cpu_devices_per_process)
+    check_positive("cpu_devices_per_process", job.cpu_devices_per_process)
     if max_restarts < 0:
         raise ConfigError(f"`max_restarts` must be >= 0, got {max_restarts}.")
     clash = [flag for flag in JOB_FLAGS if _has(command, flag)]
@@ -107,63 +133,60 @@ def launch(
     if cluster is not None and len(cluster.hosts) != num_processes:
         raise ConfigError(f"`num_processes={num_processes}` must equal the emulated cluster's "
                           f"`hosts={len(cluster.hosts)}`: one process per host.")
-    lock = threading.Lock()
+    output = _Output(stdout or sys.stdout, stderr or sys.stderr, threading.Lock())
     on_main_thread = threading.current_thread() is threading.main_thread()
     if on_main_thread:  # SIGTERM to the launcher stops the job (and removes the cluster): `finally` blocks run
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         if cluster is None:
-            return _launch(command, num_processes, cpu_devices_per_process, timeout, max_restarts, None,
-                           stdout, stderr, lock)
-        with emulated.up(cluster, lambda line: _say(line, stderr, lock)):
-            _say(f"{num_processes} emulated hosts ({' '.join(h.namespace for h in cluster.hosts)}), NICs at "
-                 f"{emulated.format_rate(cluster.rate_bps)} each way, cores "
-                 f"{' | '.join(','.join(map(str, h.cores)) for h in cluster.hosts)}", stderr, lock)
+            return _launch(job, timeout, max_restarts, output)
+        with emulated.up(cluster, output.say):
+            output.say(f"{num_processes} emulated hosts ({' '.join(h.namespace for h in cluster.hosts)}), NICs at "
+                       f"{emulated.format_rate(cluster.rate_bps)} each way, cores "
+                       f"{' | '.join(','.join(map(str, h.cores)) for h in cluster.hosts)}")
             try:
-                return _launch(command, num_processes, cpu_devices_per_process, timeout, max_restarts, cluster,
-                               stdout, stderr, lock)
+                return _launch(job, timeout, max_restarts, output)
             finally:
                 for line in emulated.describe_traffic(emulated.traffic(cluster), cluster.rate_bps):
-                    _say(line, stderr, lock)
+                    output.say(line)
     finally:
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _launch(command: Sequence[str], num_processes: int, cpu_devices_per_process: int, timeout: float | None,
-            max_restarts: int, cluster: emulated.Plan | None, stdout: TextIO, stderr: TextIO,
-            lock: threading.Lock) -> int:
+def _launch(job: Job, timeout: float | None, max_restarts: int, output: _Output) -> int:
     """`launch`'s loop of starts and restarts; returns its exit status."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    num_processes = job.num_processes
     attempt = 0
     while True:
-        run = command if attempt == 0 else with_resume(command)
-        pids, failure = _run_job(run, num_processes, cpu_devices_per_process, deadline, cluster, stdout, stderr, lock)
+        run = job if attempt == 0 else replace(job, command=with_resume(job.command))
+        pids, failure = _run_job(run, deadline, output)
         if failure is None:
             return 0
         index, code = failure
         if index is None:
-            _say(f"the job timed out after {timeout:g} s; stopped all {num_processes} processes.", stderr, lock)
+            output.say(f"the job timed out after {timeout:g} s; stopped all {num_processes} processes.")
             return 1
         failed = f"process {index} (pid {pids[index]}) failed: {_describe(code)}; " \
                  f"stopped the other {num_processes - 1} process(es)"
         if attempt == max_restarts or code == NOT_RESTARTED:
-            _say(f"{failed}{_how_to_go_on(command, num_processes, cpu_devices_per_process, cluster)}.", stderr, lock)
+            output.say(f"{failed}{_how_to_go_on(job)}.")
             return code if code > 0 else 1
         attempt += 1
-        _say(f"{failed}; restart {attempt} of {max_restarts}: all {num_processes} processes with --resume, "
-             "from the newest complete checkpoint.", stderr, lock)
+        output.say(f"{failed}; restart {attempt} of {max_restarts}: all {num_processes} processes with --resume, "
+                   "from the newest complete checkpoint.")
         time.sleep(RESTART_WAIT_S)
 
 
-def _how_to_go_on(command: Sequence[str], num_processes: int, cpu_devices: int,
-                  cluster: emulated.Plan | None = None) -> str:
+def _how_to_go_on(job: Job) -> str:
     """"; go on from the newest checkpoint in DIR with `jdp launch ... --resume`", for a command that saves them."""
-    directory = _value(command, "--checkpoint-dir")
+    directory = _value(job.command, "--checkpoint-dir")
     if directory is None:
         return ""
-    where = ["--num-processes", str(num_processes)] if cluster is None else cluster_flags(cluster)
-    again = ["jdp", "launch", *where, "--cpu-devices-per-process", str(cpu_devices), "--", *with_resume(command)]
+    where = ["--num-processes", str(job.num_processes)] if job.cluster is None else cluster_flags(job.cluster)
+    again = ["jdp", "launch", *where, "--cpu-devices-per-process", str(job.cpu_devices_per_process), "--",
+             *with_resume(job.command)]
     return f"; go on from the newest checkpoint in {directory} with `{shlex.join(again)}`"
 
 
@@ -193,10 +216,9 @@ def _has(command: Sequence[str], flag: str) -> bool:
     return any(arg == flag or arg.startswith(flag + "=") for arg in command)
 
 
-def _run_job(command: Sequence[str], num_processes: int, cpu_devices: int, deadline: float | None,
-             cluster: emulated.Plan | None, stdout: TextIO, stderr: TextIO,
-             lock: threading.Lock) -> tuple[list[int], tuple[int | None, int] | None]:
+def _run_job(job: Job, deadline: float | None, output: _Output) -> tuple[list[int], tuple[int | None, int] | None]:
     """Starts the P processes, waits as `_watch`, stops them all; returns their pids and `_watch`'s result."""
+    cluster = job.cluster
     port = free_port()  # on loopback; in a fresh namespace of the cluster every port is free
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
            **({} if cluster is None else cluster.environment())}
@@ -204,16 +226,17 @@ def _run_job(command: Sequence[str], num_processes: int, cpu_devices: int, deadl
     procs: list[subprocess.Popen] = []
     readers: list[threading.Thread] = []
     try:
-        for i in range(num_processes):
-            cmd = process_command(command, port, num_processes, i, cpu_devices, host)
+        for i in range(job.num_processes):
+            cmd = process_command(job.command, port, job.num_processes, i, job.cpu_devices_per_process, host)
             if cluster is not None:
                 cmd = [*cluster.process_prefix(i), *cmd]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     env=env, start_new_session=True)
             procs.append(proc)
-            _say(f"process {i}: pid {proc.pid}", stderr, lock)
-            for pipe, target in ((proc.stdout, stdout), (proc.stderr, stderr)):
-                readers.append(threading.Thread(target=_forward, args=(pipe, f"[p{i}] ", target, lock), daemon=True))
+            output.say(f"process {i}: pid {proc.pid}")
+            for pipe, target in ((proc.stdout, output.stdout), (proc.stderr, output.stderr)):
+                readers.append(threading.Thread(target=_forward, args=(pipe, f"[p{i}] ", target, output.lock),
+                                                daemon=True))
                 readers[-1].start()
         failure = _watch(procs, deadline)
     finally:
@@ -279,11 +302,6 @@ def _forward(pipe: TextIO, prefix: str, target: TextIO, lock: threading.Lock) ->
             target.write(prefix + line)
             target.flush()
     pipe.close()
-
-
-def _say(message: str, target: TextIO, lock: threading.Lock) -> None:
-    with lock:
-        print(f"jdp launch: {message}", file=target, flush=True)
 
 
 def _describe(code: int) -> str:
