@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from doc_code import api_problems
 from jax import lax
 
 import jdp
@@ -273,6 +274,11 @@ def readme_quickstart() -> str:
     return block.group(1)
 
 
+def test_readme_python_quickstart_names_only_what_jdp_has():
+    assert api_problems(readme_quickstart()) == []
+
+
+@pytest.mark.slow  # a fresh process that checks a strategy and trains twice; the test above is its fast sibling
 def test_readme_python_quickstart_runs(tmp_path):
     script = tmp_path / "quickstart.py"
     script.write_text(readme_quickstart())

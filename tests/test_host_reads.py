@@ -8,9 +8,11 @@ from adapter_models import make_nnx_cnn
 from host_reads import counting_reads
 
 from jdp import data
+from jdp.bench.loop import tiny_mlp
 from jdp.training.config import TrainConfig
 from jdp.training.loop import train
 
+MODELS = {"nnx-cnn": make_nnx_cnn, "mlp": tiny_mlp}
 STEPS_PER_EPOCH = 24  # fewer than the guards' read interval (`jdp.training.guards.Watch`): no read is due
 
 
@@ -26,9 +28,9 @@ def test_the_counter_sees_the_reads_a_cpu_makes(devices):
 
 @pytest.mark.parametrize(("backend", "allreduce", "steps_per_call", "model"), [
     ("pmap", "psum", 1, "lenet"),  # the default: data resident on the devices, step and tally in one call
-    ("pmap", "psum", 4, "lenet"),
-    ("pmap", "manual", 1, "lenet"),  # an allreduce outside the compiled step: the tally is its own call
-    ("shard_map", "psum", 1, "lenet"),  # batches copied from the host
+    ("pmap", "psum", 4, "mlp"),  # the loop's reads do not depend on the model: a small one compiles fast
+    ("pmap", "manual", 1, "mlp"),  # an allreduce outside the compiled step: the tally is its own call
+    ("shard_map", "psum", 1, "mlp"),  # batches copied from the host
     ("pmap", "psum", 1, "nnx-cnn"),  # BatchNorm and dropout: variables with state
     pytest.param("pmap", "psum", 1, "resnet18", marks=pytest.mark.slow),  # 110 leaves: the old guard read 111 flags
 ])
@@ -43,7 +45,7 @@ def test_the_steady_state_loop_reads_nothing_from_the_devices(devices, backend, 
         reads_per_epoch.append(list(reads))
 
     config = TrainConfig(batch_size=batch, lr=0.1, epochs=2, backend=backend, allreduce=allreduce,
-                         model=make_nnx_cnn() if model == "nnx-cnn" else model, steps_per_call=steps_per_call)
+                         model=MODELS.get(model, lambda: model)(), steps_per_call=steps_per_call)
     _, history = train(config, dataset, devices[:2], progress=progress)
     assert [len(reads) for reads in reads_per_epoch] == [0, 0], f"reads in epoch 1: {reads_per_epoch[0][:4]}..."
     assert all(np.isfinite(record.train_loss) for record in history)

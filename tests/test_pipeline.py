@@ -6,8 +6,8 @@ import pytest
 from optax import sgd
 
 from jdp import data
+from jdp.bench.loop import tiny_mlp
 from jdp.errors import ConfigError
-from jdp.models import lenet, summed_cross_entropy
 from jdp.parallel import allreduce
 from jdp.parallel.layout import replicate, split_batch, unreplicate
 from jdp.parallel.step import make_train_step
@@ -16,6 +16,7 @@ from jdp.training import tally
 
 BATCH = 32
 OPTIMIZER = sgd(0.2)
+MODEL = tiny_mlp()  # what is checked does not depend on the model: a small one compiles fast
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +25,12 @@ def split():
 
 
 def fresh_state(devices):
-    params = lenet.init(jax.random.key(0))
+    params = MODEL.init(jax.random.key(0))
     return replicate(params, devices), replicate(OPTIMIZER.init(params), devices)
 
 
 def fresh_carry(devices):
-    leaves = len(jax.tree.leaves(lenet.init(jax.random.key(0))))
+    leaves = len(jax.tree.leaves(MODEL.init(jax.random.key(0))))
     return *fresh_state(devices), tally.place_tally(tally.start(0, [0.0] * len(devices), leaves), devices, "pmap")
 
 
@@ -51,7 +52,7 @@ def host_loop(step, split, devices, key):
 def test_runner_equals_the_host_loop(split, devices, resident, strategy, steps_per_call):
     devices = devices[:2]
     strategy = allreduce.get(strategy)
-    step = make_train_step(summed_cross_entropy(lenet.apply), OPTIMIZER, strategy, devices)
+    step = make_train_step(MODEL.loss, OPTIMIZER, strategy, devices)
     key = jax.random.key(5)
     want_params, want_loss = host_loop(step, split, devices, key)
     run = pipeline.make_epoch_runner(step, split, devices, BATCH, steps_per_call=steps_per_call,
@@ -71,7 +72,7 @@ def test_runner_equals_the_host_loop(split, devices, resident, strategy, steps_p
 
 
 def test_several_steps_per_call_need_a_collective_strategy(split, devices):
-    step = make_train_step(summed_cross_entropy(lenet.apply), OPTIMIZER, allreduce.get("manual"), devices[:2])
+    step = make_train_step(MODEL.loss, OPTIMIZER, allreduce.get("manual"), devices[:2])
     with pytest.raises(ConfigError, match="`steps_per_call=2`"):
         pipeline.make_epoch_runner(step, split, devices[:2], BATCH, steps_per_call=2, traceable=False)
 
@@ -85,7 +86,7 @@ def test_fashion_mnist_fits_on_eight_cpu_devices(devices):
 def test_scanned_steps_equal_unrolled_steps(split, devices):
     """The `lax.scan` a GPU runs S steps with computes what the CPU's unrolled steps compute."""
     devices = devices[:2]
-    step = make_train_step(summed_cross_entropy(lenet.apply), OPTIMIZER, allreduce.get("psum"), devices)
+    step = make_train_step(MODEL.loss, OPTIMIZER, allreduce.get("psum"), devices)
     fold = tally.make_fold(devices, "pmap")
     x = split.images[:3 * BATCH].reshape(3, 2, BATCH // 2, *split.images.shape[1:])
     y = split.labels[:3 * BATCH].reshape(3, 2, BATCH // 2)

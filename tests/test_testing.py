@@ -113,11 +113,14 @@ jdp.register_allreduce(HALVED)
 """
 
 
-def test_a_user_strategy_with_halves_passes_and_trains_with_the_optimizer_sharded(registry, tmp_path, monkeypatch,
-                                                                                   capsys):
+def test_a_user_strategy_with_halves_passes():
+    check_allreduce(HALVED, (1, 2, 3), sgd_steps=2)  # the sums, the halves, SGD replicated and sharded
+
+
+@pytest.mark.slow  # two runs from the CLI; the test above checks the same strategy's halves and sharded SGD
+def test_a_user_strategy_with_halves_trains_with_the_optimizer_sharded(registry, tmp_path, monkeypatch, capsys):
     from jdp.cli.main import main
 
-    check_allreduce(HALVED, (1, 2, 3), sgd_steps=2)  # the sums, the halves, SGD replicated and sharded
     (tmp_path / "halves_plugin.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
     args = ["train", "--dataset", "synthetic", "--epochs", "1", "--batch-size", "64", "--no-progress",
