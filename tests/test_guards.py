@@ -31,10 +31,12 @@ def params_with(name=None, value=None):
 
 
 def tallied(losses, params, devices, step=0):
-    """A tally after one call that ran `losses.shape[1:]` steps from `step` and left `params` (replicated)."""
+    """A tally after one call that ran `losses.shape[1:]` steps from `step` and left `params` (replicated), the
+    params it was given unknown (a step that donates them): every leaf is checked."""
     leaves = len(jax.tree.leaves(params))
     start = tally.place_tally(tally.start(step, [0.0] * len(devices), leaves), devices, "pmap")
-    return tally.read_local(tally.make_fold(devices, "pmap")(start, replicate(params, devices), jnp.asarray(losses)))
+    return tally.read_local(tally.make_fold(devices, "pmap")(start, None, replicate(params, devices),
+                                                             jnp.asarray(losses)))
 
 
 def test_finite_values_pass(devices):
@@ -69,13 +71,48 @@ def test_the_tally_keeps_the_first_non_finite_call(devices):
     fold, params = tally.make_fold(devices, "pmap"), params_with()
     counted = tally.place_tally(tally.start(0, [0.0, 0.0], len(params)), devices, "pmap")
     for losses, bad_leaf in (([1.0, 1.0], None), ([1.0, 1.0], "b2"), ([np.nan, 1.0], "W3"), ([1.0, 1.0], None)):
-        counted = fold(counted, replicate(params_with(bad_leaf, np.nan), devices), jnp.asarray(losses))
+        counted = fold(counted, None, replicate(params_with(bad_leaf, np.nan), devices), jnp.asarray(losses))
     host = tally.read_local(counted)
     np.testing.assert_array_equal(host.step, [4, 4])
     np.testing.assert_array_equal(host.bad_from, [2, 2])
     np.testing.assert_allclose(host.loss, [np.nan, 4.0])
     with pytest.raises(TrainingError, match=r"step 2: its update made the parameters \['b2'\] non-finite"):
         guards.check_finite(host, guards.leaf_names(params), None)
+
+
+def test_a_call_given_its_params_checks_them_only_when_a_loss_is_not_finite(devices):
+    """Params an update made non-finite (call 2: steps 3–4) make the next call's loss non-finite; that call
+    names call 2 and the leaf. Until then only losses are checked. A loss non-finite by itself names its own call."""
+    devices, good, bad = devices[:2], params_with(), params_with("W3", np.nan)
+    fold, names = tally.make_fold(devices, "pmap"), guards.leaf_names(good)
+    counted = tally.place_tally(tally.start(0, [0.0, 0.0], len(good)), devices, "pmap")
+    two_steps = jnp.ones((2, 2))
+    for entered, left, losses in ((good, good, two_steps), (good, bad, two_steps)):
+        counted = fold(counted, replicate(entered, devices), replicate(left, devices), losses)
+    guards.check_finite(tally.read_local(counted), names, None)  # W3 is not looked at yet
+    after_bad = fold(counted, replicate(bad, devices), replicate(bad, devices), two_steps.at[0, 1].set(np.nan))
+    with pytest.raises(TrainingError, match=r"Stopped at steps 3–4 \(one compiled call\): its update made the "
+                                            r"parameters \['W3'\] non-finite"):
+        guards.check_finite(tally.read_local(after_bad), names, None)
+    own = fold(counted, replicate(good, devices), replicate(bad, devices), two_steps.at[1, 0].set(np.inf))
+    with pytest.raises(TrainingError, match=r"Stopped at steps 5–6 \(one compiled call\): the loss is not finite"):
+        guards.check_finite(tally.read_local(own), names, None)
+
+
+def test_a_flush_checks_the_params_themselves(devices):
+    """Params that went non-finite without a non-finite loss are caught before a checkpoint or an epoch's end."""
+    devices = devices[:2]
+    good, bad = replicate(params_with(), devices), replicate(params_with("b2", np.inf), devices)
+    fold, watch = tally.make_fold(devices, "pmap"), guards.Watch(params_with())
+    counted = tally.place_tally(tally.start(0, [0.0, 0.0], len(good)), devices, "pmap")
+    for last, left in ((4, good), (8, good), (12, bad)):
+        counted = fold(counted, good, left, jnp.ones((2, 4)))  # finite losses: the tally sees nothing
+        watch.after_call(last - 3, last, left, None, counted)
+        if last == 8:
+            watch.flush(good)
+    with pytest.raises(TrainingError, match=r"Stopped at steps 9–12 \(since the parameters were last checked\): its "
+                                            r"update made the parameters \['b2'\] non-finite"):
+        watch.flush(bad)
 
 
 def watched(devices, nan_at, steps=40, **options):
@@ -87,7 +124,7 @@ def watched(devices, nan_at, steps=40, **options):
     counted = tally.place_tally(tally.start(0, [0.0, 0.0], len(params)), devices, "pmap")
     for step in range(1, steps + 1):
         now[0] += 0.25 if step <= 20 else 1.0  # 4 steps a second, then one a second
-        counted = fold(counted, placed, jnp.asarray([np.nan, 1.0] if step == nan_at else [1.0, 1.0]))
+        counted = fold(counted, placed, placed, jnp.asarray([np.nan, 1.0] if step == nan_at else [1.0, 1.0]))
         try:
             watch.after_call(step, step, placed, None, counted)
         except TrainingError as e:

@@ -165,8 +165,8 @@ class Parts(NamedTuple):
     def one(self, carry: Carry, x: jax.Array, y: jax.Array) -> tuple[Carry, jax.Array]:
         """One step as its own call, then the fold as another (a step that cannot be traced inside `jax.jit`)."""
         params, opt_state, tally = carry
-        params, opt_state, loss = self.step(params, opt_state, x, y)
-        return (params, opt_state, self.fold(tally, params, loss)), loss
+        params, opt_state, loss = self.step(params, opt_state, x, y)  # donates the params it was given
+        return (params, opt_state, self.fold(tally, None, params, loss)), loss
 
     def steps(self, carry: Carry, xs: Any, length: int, fetch: Callable | None = None) -> tuple[Carry, jax.Array]:
         """`length` train steps and the fold, traced: over the leading axis of `xs`, or, with `fetch`,
@@ -181,19 +181,19 @@ class Parts(NamedTuple):
             params, opt_state, loss = self.step(params, opt_state, x, y)
             return (params, opt_state, t), loss
 
-        params, opt_state, tally = carry
+        entered, opt_state, tally = carry
         t = xs if fetch is not None else None
         if self.unrolled:  # see the module docstring
-            inner, losses = (params, opt_state, t), []
+            inner, losses = (entered, opt_state, t), []
             for i in range(length):
                 inner, loss = body(inner, None if fetch is not None else jax.tree.map(lambda x: x[i], xs))
                 losses.append(loss)
             losses = jnp.stack(losses, axis=1)
         else:
-            inner, losses = lax.scan(body, (params, opt_state, t), None if fetch is not None else xs, length=length)
+            inner, losses = lax.scan(body, (entered, opt_state, t), None if fetch is not None else xs, length=length)
             losses = jnp.moveaxis(losses, 0, 1)
         params, opt_state, t = inner
-        return (params, opt_state, self.fold(tally, params, losses), t), losses
+        return (params, opt_state, self.fold(tally, entered, params, losses), t), losses
 
 
 def _resident_runner(parts, split, devices, batch_size, calls, traceable) -> EpochRunner:

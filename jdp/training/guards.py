@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jdp.errors import TrainingError
@@ -48,17 +49,34 @@ def check_finite(tally: Tally, names: Sequence[str], last_good: Path | None) -> 
     row = bad[np.argmin(tally.bad_from[bad])]  # the device that saw it first
     first, last, finite = int(tally.bad_from[row]), int(tally.bad_to[row]), tally.finite[row]
     if not finite[0]:
-        what = "the loss is not finite (NaN or inf)"
-    else:
-        leaves = [name for name, fine in zip(names, finite[1:]) if not fine]
-        what = (f"its update made the parameters {', '.join(leaves)} non-finite (non-finite gradients, "
-                "or an update too large)")
+        raise _stopped(first, last, "the loss is not finite (NaN or inf)", last_good)
+    raise _stopped(first, last, _made_non_finite(names, finite[1:]), last_good)
+
+
+def params_finite(params: PyTree) -> np.ndarray:
+    """Whether each leaf of `params` (any layout; every device's copy) is finite: one small read."""
+    return np.asarray(_leaves_finite(params).addressable_data(0))
+
+
+@jax.jit
+def _leaves_finite(params: PyTree) -> jax.Array:
+    return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)])
+
+
+def _made_non_finite(names: Sequence[str], finite: Sequence[bool]) -> str:
+    leaves = [name for name, fine in zip(names, finite, strict=True) if not fine]
+    return (f"its update made the parameters {', '.join(leaves)} non-finite (non-finite gradients, "
+            "or an update too large)")
+
+
+def _stopped(first: int, last: int, what: str, last_good: Path | None, span: str = "one compiled call"
+             ) -> TrainingError:
     where = (f"The last good checkpoint (all values finite) is {last_good}: lower `lr` and rerun, "
              "or continue from it with `resume=True`."
              if last_good is not None else
              "No checkpoint was saved before it: lower `lr` and rerun (with `checkpoint_dir` to keep some).")
-    at = f"step {last}" if first == last else f"steps {first}–{last} (one compiled call)"
-    raise TrainingError(f"Stopped at {at}: {what}. {where}")
+    at = f"step {last}" if first == last else f"steps {first}–{last} ({span})"
+    return TrainingError(f"Stopped at {at}: {what}. {where}")
 
 
 def check_replicas(tree: PyTree, step: int) -> None:
@@ -110,8 +128,9 @@ class Watch:
 
     Every call folds its finite check into the run's tally on the devices (`jdp.training.tally`); the
     watch reads a tally rarely (`Cadence`), the one of `lag` calls ago, which the loop's window of
-    in-flight calls has already waited for: reading never makes the host wait for the devices. `flush` reads the newest tally (the loop calls it before saving
-    a checkpoint and at the end of each epoch, so no checkpoint ever holds a non-finite value).
+    in-flight calls has already waited for: reading never makes the host wait for the devices. `flush` reads
+    the newest tally and checks the params themselves (the loop calls it before saving a checkpoint and at
+    the end of each epoch, so no checkpoint ever holds a non-finite value).
 
     Args:
       params: the params (any layout), for the leaf names in messages.
@@ -134,6 +153,8 @@ class Watch:
         self._recent: deque[Tally] = deque(maxlen=read.lag + 1)
         self._read_step, self._read_time = 0, read.clock()
         self._replicas_checked_at = 0
+        self._step = 0  # the last step of the last call seen
+        self._params_checked_at: int | None = None  # the last step whose params were all finite
         self.reads = 0  # tallies read so far
         self.last_good: Path | None = None  # the newest checkpoint saved; set by whoever saves it
 
@@ -144,21 +165,32 @@ class Watch:
           TrainingError: on a non-finite value (of this call or an earlier one), or diverged replicas.
         """
         self._recent.append(tally)
+        if self._params_checked_at is None:  # a run starts (or resumes from a checkpoint) with finite params
+            self._params_checked_at = first - 1
+        self._step = last
         cadence = self._cadence
         due = last - self._read_step >= cadence.every_steps and cadence.clock() - self._read_time >= cadence.every_seconds
         if due and len(self._recent) == self._recent.maxlen:
             self._read(self._recent[0])
         replicas_due = self._every is not None and last // self._every > self._replicas_checked_at // self._every
         if replicas_due and self._comparable(last):
-            self.flush()
+            self.flush(params)
             check_replicas({"params": self._same(params), "opt_state": self._same_opt_state(opt_state)}, last)
             self._replicas_checked_at = last
 
-    def flush(self) -> None:
-        """Reads the newest tally (waits for its call); raises TrainingError as `after_call`."""
+    def flush(self, params: PyTree | None = None) -> None:
+        """Reads the newest tally (waits for its call), then checks `params`, the run's params now; raises
+        TrainingError as `after_call`, or naming the steps since the params were last checked."""
         if self._recent:
             self._read(self._recent[-1])
         self._recent.clear()
+        if params is None:
+            return
+        finite = params_finite(params)
+        if not finite.all():
+            raise _stopped((self._params_checked_at or 0) + 1, self._step, _made_non_finite(self._names, finite),
+                           self.last_good, span="since the parameters were last checked")
+        self._params_checked_at = self._step
 
     def _read(self, tally: Tally) -> None:
         host = read_local(tally)

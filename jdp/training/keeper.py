@@ -114,7 +114,7 @@ class Keeper:
 
     def end_epoch(self, state: tuple[PyTree, PyTree], record: dict[str, Any], last: bool) -> None:
         """Records a finished epoch; saves if a checkpoint is due or it was the `last`."""
-        self.watch.flush()
+        self.watch.flush(state[0])
         self.history.append(record)
         self.epoch, self.batches_done = self.epoch + 1, 0
         self._tally, self._start = None, self._start._replace(loss=np.zeros_like(self._start.loss))
@@ -128,8 +128,8 @@ class Keeper:
     def _save(self, state: tuple[PyTree, PyTree]) -> None:
         if self.directory is None:
             return
-        self.watch.flush()  # never save a non-finite value
         params, opt_state = state
+        self.watch.flush(params)  # never save a non-finite value
         arrays = {"params": self._host_copy(params), "opt_state": self._opt_host_copy(opt_state),
                   "data_key": self.data_key}
         losses = self.device_losses()
