@@ -37,7 +37,8 @@ class Tally(NamedTuple):
       bad_from: the first step of the first call whose loss or params were not finite; 0: none so far.
       bad_to: that call's last step (a call runs `steps_per_call` steps).
       finite: (1 + leaves,) at that call: whether the loss, then each leaf of the params, was finite.
-      call_from: the first step of the last call folded in.
+      call_from: the first step of the last call folded in (step + 1 before the first; each epoch starts
+        afresh, and the guards check the params at each epoch's end).
     """
 
     step: jax.Array | np.ndarray
@@ -53,7 +54,7 @@ def start(step: int, loss: Sequence[float], leaves: int) -> Tally:
     k = len(loss)
     return Tally(step=np.full(k, step, np.int32), loss=np.asarray(loss, np.float32), bad_from=np.zeros(k, np.int32),
                  bad_to=np.zeros(k, np.int32), finite=np.ones((k, 1 + leaves), bool),
-                 call_from=np.full(k, step, np.int32))
+                 call_from=np.full(k, step + 1, np.int32))  # after `step`: no call folded in yet
 
 
 def fold(tally: Tally, entered: PyTree | None, left: PyTree, losses: jax.Array) -> Tally:
@@ -75,7 +76,7 @@ def fold(tally: Tally, entered: PyTree | None, left: PyTree, losses: jax.Array) 
 
         def diagnose():
             given = leaf_flags(jnp.zeros((), jnp.float32), entered)
-            earlier = ~given.all()  # the previous call's update made the params non-finite
+            earlier = ~given.all() & (tally.call_from <= tally.step)  # the previous call's update broke them
             return (jnp.where(earlier, tally.call_from, this_call[0]), jnp.where(earlier, tally.step, this_call[1]),
                     jnp.where(earlier, given, leaf_flags(total, left)))
 
