@@ -2,7 +2,7 @@
 
 The public API. The lesson's names (`replicate`, `split_batch`, a step that allreduces the
 gradients) and the extension points: your own `Model`, your own `Allreduce` (checked by
-`jdp.testing.check_allreduce`), through the same training loop, guards and checkpoints.
+`jdp.testing.check_allreduce`), your own `Sync`, through the same training loop, guards and checkpoints.
 Everything not listed in `__all__` is an implementation detail.
 """
 
@@ -28,6 +28,9 @@ from jdp.parallel.opt_state import OptState
 from jdp.parallel.opt_state import init_sharded as init_sharded_opt_state
 from jdp.parallel.step import make_train_step
 from jdp.parallel.strategy import Allreduce
+from jdp.parallel.sync import Sync
+from jdp.parallel.sync import names as sync_names
+from jdp.parallel.sync import register as register_sync
 from jdp.runtime.devices import AXIS, select_devices, simulate_cpu_devices
 from jdp.runtime.devices import describe as describe_devices
 from jdp.runtime.xla_flags import enable as enable_xla_flags
@@ -72,6 +75,7 @@ __all__ = [
     "OptState",
     "ProcessLostError",
     "Split",
+    "Sync",
     "TrainConfig",
     "Terms",
     "TrainingError",
@@ -97,10 +101,12 @@ __all__ = [
     "powersgd",
     "register_allreduce",
     "register_model",
+    "register_sync",
     "replicate",
     "select_devices",
     "simulate_cpu_devices",
     "split_batch",
+    "sync_names",
     "synthetic_dataset",
     "testing",
     "summed_cross_entropy",

@@ -1,5 +1,6 @@
 """docs/architecture.md's recipes run as written: every ```python block, in order, in one namespace."""
 
+import dataclasses
 import json
 import os
 import re
@@ -8,11 +9,14 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
+import jdp
 from jdp.bench import fit, predict
 from jdp.bench.predict import CLUSTERS
 from jdp.cli.main import main
+from jdp.training.config import checkpoint_target
 from test_imports import LAYERS, ROOT, import_graph
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
@@ -48,12 +52,14 @@ def test_recipe_runs(title, code, registry_restored):
 
 @pytest.fixture
 def registry_restored():
-    from jdp.parallel import allreduce
+    """The registries of allreduce strategies and sync algorithms as they were before the test."""
+    from jdp.parallel import allreduce, sync
 
-    saved = dict(allreduce._STRATEGIES)
+    saved = [(registry, dict(registry)) for registry in (allreduce._STRATEGIES, sync._SYNCS)]
     yield
-    allreduce._STRATEGIES.clear()
-    allreduce._STRATEGIES.update(saved)
+    for registry, entries in saved:
+        registry.clear()
+        registry.update(entries)
 
 
 @pytest.fixture
@@ -97,6 +103,59 @@ def test_allreduce_recipe_trains_from_the_cli(gather_sum_plugin):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert re.search(r"^test acc: \d\.\d\d, ", done.stdout, re.M), done.stdout
+
+
+@pytest.fixture
+def ema_average_plugin(tmp_path, monkeypatch, registry_restored):
+    """The sync recipe saved as the plugin file `ema_average.py`, importable."""
+    (tmp_path / "ema_average.py").write_text(dict(BLOCKS)["A new sync algorithm"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("ema_average", None)
+
+
+def max_difference(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in
+               zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def test_sync_recipe_is_exact_at_h1(ema_average_plugin, devices):
+    """H = 1, plain SGD: the replicas follow every-step training (the same losses); with decay 0 the
+    model returned, the EMA, is its params too; with decay 0.9 it lags them. The EMA is checkpointed."""
+    import ema_average
+
+    small = jdp.synthetic_dataset(jax.random.key(0), 256, 32)
+    config = jdp.TrainConfig(batch_size=32, lr=0.1, epochs=1)  # 8 steps
+    every_step, every_history = jdp.train(config, small, devices[:4])
+    for decay, close in ((0.0, True), (0.9, False)):
+        synced = dataclasses.replace(config, sync=ema_average.ema_average(decay), sync_every=1)
+        params, history = jdp.train(synced, small, devices[:4], check_replicas=1)
+        assert history[0].syncs == 8
+        assert history[0].train_loss == pytest.approx(every_history[0].train_loss, rel=1e-6)
+        assert (max_difference(params, every_step) < 1e-6) is close  # rounding only; the EMA lags by ~1e-2
+    assert "ema-average" in jdp.sync_names()
+    target = checkpoint_target(dataclasses.replace(config, sync="ema-average"), device_count=4)
+    assert jax.tree.map(np.shape, target["opt_state"]["outer"]["ema"]) == jax.tree.map(np.shape, every_step)
+
+
+@pytest.mark.slow
+def test_sync_recipe_trains_from_the_cli_exact_at_h1(ema_average_plugin):
+    """`jdp train --plugin ema_average --sync ema-average --sync-every 1` and every-step training: the same
+    losses, a sync after every step, identical replicas after each."""
+    path = [str(ema_average_plugin), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+    flags = ["--cpu-devices", "2", "--dataset", "synthetic", "--epochs", "1", "--no-progress", "--check-replicas", "1"]
+    runs = {"ema": ["--plugin", "ema_average", "--sync", "ema-average", "--sync-every", "1"], "every": []}
+    procs = {name: subprocess.Popen([sys.executable, "-m", "jdp", "train", *flags, *extra, "--out", name],
+                                    cwd=ema_average_plugin, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True) for name, extra in runs.items()}
+    for proc in procs.values():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-4000:]
+        assert re.search(r"^test acc: \d\.\d\d, ", out, re.M), out
+    ema, every = (json.loads((ema_average_plugin / name / "history.json").read_text()) for name in ("ema", "every"))
+    assert ema["config"]["sync"] == "ema-average" and ema["epochs"][0]["syncs"] == every["epochs"][0]["syncs"]
+    assert ema["epochs"][0]["train_loss"] == pytest.approx(every["epochs"][0]["train_loss"], rel=1e-6)
 
 
 def test_the_table_lists_the_layers_the_import_test_enforces():

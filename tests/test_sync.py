@@ -185,7 +185,7 @@ def test_sync_settings_default_and_check():
     assert from_settings("every-step", None) == Sync("every-step", 1)
     assert from_settings("local-sgd", None).every == 16
     diloco = from_settings("diloco", 8)
-    assert diloco.every == 8 and diloco.outer is not None
+    assert diloco.every == 8 and diloco.init is not None  # θ and the outer momentum
     every_8 = from_settings("local-sgd", 8)
     assert every_8.due(8, 100) and not every_8.due(9, 100) and every_8.due(100, 100)  # and the run's last step
     assert every_8.syncs(100, 100) == 13 and from_settings("every-step", None).syncs(7, 10) == 7
@@ -211,6 +211,19 @@ def test_bad_settings_are_refused_by_name(settings, message):
 def test_the_cli_names_the_flags(capsys):
     assert cli.main(["train", "--sync-every", "4", "--dataset", "synthetic"]) == 2
     assert "`--sync-every 4` needs a local mode: `--sync local-sgd` or `--sync diloco`" in capsys.readouterr().err
+    assert cli.main(["train", "--sync", "sometimes", "--dataset", "synthetic"]) == 2  # the registry's names
+    assert "Unknown `--sync sometimes`; choose one of: every-step, local-sgd, diloco" in capsys.readouterr().err
+
+
+def test_registering_a_sync_checks_it():
+    from jdp.parallel.sync import register
+
+    with pytest.raises(ConfigError, match="named `local-sgd` is registered already; pass `replace=True`"):
+        register(Sync("local-sgd", 4, lambda mean, state: (mean, state)))
+    with pytest.raises(ConfigError, match="The sync `mine` has no `received`"):
+        register(Sync("mine"))
+    with pytest.raises(ConfigError, match="`sync_every` must be a positive number of steps, got 0"):
+        TrainConfig(sync=Sync("mine", 0, lambda mean, state: (mean, state)))
 
 
 def test_the_memory_bench_shows_dilocos_outer_state(devices):

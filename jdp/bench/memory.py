@@ -101,7 +101,7 @@ def diloco_opt_state(model: models.Model, variables: Any, optimizer_name: str, d
     params = models.trainable(model, variables)
     diloco = sync.from_settings("diloco", None)
     opt = OptState(optimizers.make(optimizer_name, 1e-3), params, len(devices), local=True,
-                   outer_optimizer=diloco.outer)
+                   sync_init=diloco.init)
     return opt.place(opt.init(params, jax.random.key(0)), list(devices), "pmap")
 
 

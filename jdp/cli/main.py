@@ -158,15 +158,17 @@ def _add_record_flags(train: argparse.ArgumentParser) -> None:
 
 def _add_sync_flags(train: argparse.ArgumentParser) -> None:
     """`jdp train`'s group of flags for when the replicas meet, and a straggler to simulate."""
-    from jdp.parallel.sync import DEFAULT_EVERY, DILOCO_OUTER, OUTER_OPTIMIZERS, SYNC_MODES
+    from jdp.parallel.sync import DEFAULT_EVERY, DILOCO_OUTER, OUTER_OPTIMIZERS
+    from jdp.parallel.sync import names as sync_names
 
     sync = train.add_argument_group("when the replicas meet (docs/sync.md)")
-    sync.add_argument("--sync", default="every-step", choices=SYNC_MODES,
+    sync.add_argument("--sync", default="every-step", metavar="|".join(sync_names()),
                       help="every-step: allreduce the gradients every step (the lesson's); local-sgd: each device "
                       "steps alone, params averaged every --sync-every steps; diloco: the same, the averaged "
-                      "parameter change fed to an outer Nesterov optimizer")
+                      "parameter change fed to an outer Nesterov optimizer; or one a --plugin registered")
     sync.add_argument("--sync-every", type=int, default=None, metavar="H",
-                      help=f"local-sgd/diloco: steps between syncs (default {DEFAULT_EVERY})")
+                      help=f"local modes: steps between syncs (default {DEFAULT_EVERY}, or the one a --plugin's "
+                      "sync sets)")
     sync.add_argument("--outer-optimizer", default=None, choices=OUTER_OPTIMIZERS,
                       help="diloco: the outer optimizer on the averaged parameter change (default nesterov)")
     sync.add_argument("--outer-lr", type=float, default=None,

@@ -6,8 +6,9 @@
   (AdamW's moments) and a copy of every other leaf (AdamW's step count);
 * with per-device strategy state (a stateful `Allreduce`, e.g. PowerSGD's error feedback):
   `{"optimizer": <replicated state>, "allreduce": <one state per device>}`;
-* local (`jdp.parallel.sync`: local SGD, DiLoCo): one optimizer state per device, each device's own,
-  and for DiLoCo an "outer" part, replicated: the global params θ and the outer optimizer's state,
+* local (`jdp.parallel.sync`: local SGD, DiLoCo, yours): one optimizer state per device, each device's
+  own, and the sync algorithm's own state if it keeps one (`Sync.init`), replicated, under the key
+  "outer" (DiLoCo's name for it: the global params θ and the outer optimizer's state),
   `{"optimizer": <per device>, "outer": {"params": θ, "optimizer": <outer state>}}`.
 
 `OptState` is the one place that knows them: the train step splits and joins the state through
@@ -19,6 +20,7 @@ unpadded flat buffers, independent of k, so a sharded run resumes on any device 
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -32,6 +34,8 @@ from jdp.types import PyTree
 if TYPE_CHECKING:
     import optax
 
+_SYNC_KEY = "outer"  # where the sync's own state is kept: DiLoCo's name for it, which its checkpoints hold
+_MOVED = {"outer": "sync_state", "has_outer": "has_sync_state", "outer_optimizer": "sync_init"}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -46,7 +50,8 @@ class OptState:
       sharded: ZeRO: each device holds 1/k of the per-element state.
       strategy: the allreduce strategy; a stateful one keeps its per-device state here too.
       local: a local sync mode (`jdp.parallel.sync`): each device keeps its own optimizer state.
-      outer_optimizer: DiLoCo's outer optimizer, whose state and θ the state holds too; None: none.
+      sync_init: params -> the sync algorithm's own state (`Sync.init`), which the state holds too,
+        replicated; None: none.
     """
 
     optimizer: "optax.GradientTransformation"
@@ -55,7 +60,7 @@ class OptState:
     sharded: bool = False
     strategy: Allreduce | None = None
     local: bool = False
-    outer_optimizer: "optax.GradientTransformation | None" = None
+    sync_init: Callable[[PyTree], PyTree] | None = None
 
     @property
     def per_device_strategy_state(self) -> bool:
@@ -63,9 +68,9 @@ class OptState:
         return self.strategy is not None and self.strategy.stateful
 
     @property
-    def has_outer(self) -> bool:
-        """Whether the state holds DiLoCo's outer part (θ and the outer optimizer's state)."""
-        return self.outer_optimizer is not None
+    def has_sync_state(self) -> bool:
+        """Whether the state holds the sync algorithm's own state (DiLoCo's θ and outer optimizer state)."""
+        return self.sync_init is not None
 
     @property
     def optimizer_kind(self) -> Kinds:
@@ -75,27 +80,27 @@ class OptState:
     @property
     def kind(self) -> Kinds:
         """The placement kinds of the whole state, a pytree prefix of it."""
-        if not (self.per_device_strategy_state or self.has_outer):
+        if not (self.per_device_strategy_state or self.has_sync_state):
             return self.optimizer_kind
         return self.join(self.optimizer_kind, "per_device", "replicated")
 
     def split(self, state: PyTree) -> tuple[PyTree, PyTree]:
         """(the optimizer's part, the strategy's per-device part or None); on the devices or in a step."""
-        if self.per_device_strategy_state or self.has_outer:
+        if self.per_device_strategy_state or self.has_sync_state:
             return state["optimizer"], state.get("allreduce")
         return state, None
 
-    def outer(self, state: PyTree) -> PyTree:
-        """DiLoCo's outer part, {"params": θ, "optimizer": the outer optimizer's state}, or None."""
-        return state["outer"] if self.has_outer else None
+    def sync_state(self, state: PyTree) -> PyTree:
+        """The sync algorithm's own state (DiLoCo's {"params": θ, "optimizer": outer state}), or None."""
+        return state[_SYNC_KEY] if self.has_sync_state else None
 
-    def join(self, optimizer_state: PyTree, strategy_state: PyTree, outer: PyTree = None) -> PyTree:
-        """The inverse of `split` (and `outer`)."""
-        if not (self.per_device_strategy_state or self.has_outer):
+    def join(self, optimizer_state: PyTree, strategy_state: PyTree, sync_state: PyTree = None) -> PyTree:
+        """The inverse of `split` (and `sync_state`)."""
+        if not (self.per_device_strategy_state or self.has_sync_state):
             return optimizer_state
         return {"optimizer": optimizer_state,
                 **({"allreduce": strategy_state} if self.per_device_strategy_state else {}),
-                **({"outer": outer} if self.has_outer else {})}
+                **({_SYNC_KEY: sync_state} if self.has_sync_state else {})}
 
     def init(self, params: PyTree, key: jax.Array) -> PyTree:
         """The state before step 1, in its host form (what checkpoints hold).
@@ -112,41 +117,46 @@ class OptState:
         if self.per_device_strategy_state:
             one = jax.device_get(self.strategy.init(key, params))  # the same on every device at first
             strategy_state = copies(one, k)
-        outer = {"params": params, "optimizer": self.outer_optimizer.init(params)} if self.has_outer else None
-        return self.join(optimizer_state, strategy_state, outer)
+        sync_state = self.sync_init(params) if self.has_sync_state else None
+        return self.join(optimizer_state, strategy_state, sync_state)
 
     def place(self, host: PyTree, devices: list[jax.Device], backend: Backend) -> PyTree:
         """The host form → on `devices`, in the layout of `backend`."""
-        (optimizer_state, strategy_state), outer = self.split(host), self.outer(host)
+        (optimizer_state, strategy_state), sync_state = self.split(host), self.sync_state(host)
         if self.sharded:  # a row per device: slice i of each per-element leaf, a copy of each other leaf
             k = self.device_count
             rows = [_slices(leaf, k) if sliced else copies(leaf, k)
                     for leaf, sliced in zip(jax.tree.leaves(optimizer_state), self._sliced, strict=True)]
             optimizer_state = jax.tree.unflatten(jax.tree.structure(optimizer_state), rows)
-        return place(self.join(optimizer_state, strategy_state, outer), self.kind, devices, backend)
+        return place(self.join(optimizer_state, strategy_state, sync_state), self.kind, devices, backend)
 
     def to_host(self, state: PyTree, backend: Backend) -> PyTree:
         """The inverse of `place`: the host form (a collective with several processes)."""
         host = fetch(state, self.kind, backend)
-        (optimizer_state, strategy_state), outer = self.split(host), self.outer(host)
+        (optimizer_state, strategy_state), sync_state = self.split(host), self.sync_state(host)
         if self.sharded:  # the slices joined and the padding cut; one copy of each other leaf
             shapes = [leaf.shape for leaf in self._leaf_shapes(self._flat.sizes)]
             rows = jax.tree.leaves(optimizer_state)
             leaves = [row.reshape(-1)[: math.prod(shape)].reshape(shape) if sliced else row[0]
                       for row, sliced, shape in zip(rows, self._sliced, shapes, strict=True)]
             optimizer_state = jax.tree.unflatten(jax.tree.structure(optimizer_state), leaves)
-        return self.join(optimizer_state, strategy_state, outer)
+        return self.join(optimizer_state, strategy_state, sync_state)
 
     def replicated_part(self, state: PyTree) -> PyTree:
         """The leaves every device must hold identically (what the replica check compares): a local
-        mode's devices each keep their own optimizer state, DiLoCo's outer part is the same everywhere."""
+        mode's devices each keep their own optimizer state, the sync's own state is the same everywhere."""
         optimizer_state, _ = self.split(state)
         if self.local:
-            return self.outer(state)
+            return self.sync_state(state)
         if not self.sharded:
             return optimizer_state
         return [leaf for leaf, sliced in zip(jax.tree.leaves(optimizer_state), self._sliced, strict=True)
                 if not sliced]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _MOVED:  # removed after 0.1.0; see docs/api.md
+            raise AttributeError(f"`OptState.{name}` is now `{_MOVED[name]}`: the sync algorithm's own state.")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @functools.cached_property
     def _flat(self) -> Flat:

@@ -100,11 +100,11 @@ def make_train_step(
     check_strategy(strategy, devices, backend, shard_optimizer)
     local = sync is not None and sync.local
     if local and shard_optimizer:
-        raise ConfigError(f"`sync={sync.mode}` keeps different params on each device; `shard_optimizer=True` "
+        raise ConfigError(f"`sync={sync.name}` keeps different params on each device; `shard_optimizer=True` "
                           "needs them identical. Drop one of them.")
     k = len(devices)
     opt = OptState(optimizer, None, k, sharded=shard_optimizer, strategy=strategy, local=local,
-                   outer_optimizer=sync.outer if local else None)
+                   sync_init=sync.init if local else None)
 
     def params_of(variables):
         return variables["params"] if stateful else variables
@@ -136,7 +136,8 @@ def make_train_step(
             optimizer_state, kept = opt.split(opt_state)
             loss, grads, state = local_grads(variables, images, labels)
             params, optimizer_state = apply(params_of(variables), optimizer_state, grads, images.shape[0], 1)
-            return with_params(variables, params, state), opt.join(optimizer_state, kept, opt.outer(opt_state)), loss
+            opt_state = opt.join(optimizer_state, kept, opt.sync_state(opt_state))
+            return with_params(variables, params, state), opt_state, loss
 
         return map_over_devices(own_step, devices, backend, ("per_device", opt.kind, "batch", "batch"),
                                 ("per_device", opt.kind, "per_device"), donate=(0, 1))

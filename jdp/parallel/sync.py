@@ -1,4 +1,4 @@
-"""When the replicas meet: every step (the lesson's), or every H steps (local SGD, DiLoCo).
+"""When the replicas meet: every step (the lesson's), or every H steps (local SGD, DiLoCo, your own).
 
 * ``every-step``: the gradients are allreduced every step (`jdp.parallel.step`); the params never differ.
 * ``local-sgd`` (Stich 2019; Lin et al. 2020): each device takes H plain steps on its own shard with
@@ -7,15 +7,18 @@
   devices average their parameter changes Δ = θ − θ_i, an outer optimizer (Nesterov momentum) treats
   the average as a gradient and updates θ, and every device starts again from the new θ.
 
-Between syncs the params are `per_device` (row i on device i, different on purpose); a sync sums with
-the run's allreduce strategy (any: compressed, fused, stateful, outside), so every device leaves it
-with bit-identical params. The outer optimizer's state and θ are part of the optimizer state
-(`jdp.parallel.opt_state.OptState`, its "outer" part), checkpointed with it.
+A sync algorithm is a `Sync` value: its name, H, and per-device functions saying what each device
+sends, what it makes of the mean over the devices, the state the algorithm keeps and the model to
+evaluate. `register` makes one a name of `--sync` (a `--plugin` file can hold a whole algorithm:
+docs/architecture.md's recipe). Between syncs the params are `per_device` (row i on device i,
+different on purpose); a sync sums with the run's allreduce strategy (any: compressed, fused,
+stateful, outside), so every device leaves it with bit-identical params. The algorithm's own state
+(DiLoCo's θ and outer optimizer state) is part of the optimizer state
+(`jdp.parallel.opt_state.OptState.sync_state`), checkpointed with it.
 """
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import jax
 
@@ -26,10 +29,6 @@ from jdp.parallel.strategy import Allreduce
 from jdp.runtime.devices import AXIS
 from jdp.types import PyTree
 
-if TYPE_CHECKING:
-    import optax
-
-SYNC_MODES = ("every-step", "local-sgd", "diloco")
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 DEFAULT_EVERY = 16  # H when a local mode is chosen without one
 DILOCO_OUTER = {"lr": 0.7, "momentum": 0.9}  # Douillard et al. 2023, section 3: outer Nesterov, lr 0.7, momentum 0.9
@@ -37,22 +36,33 @@ DILOCO_OUTER = {"lr": 0.7, "momentum": 0.9}  # Douillard et al. 2023, section 3:
 
 @dataclasses.dataclass(frozen=True)
 class Sync:
-    """How often the replicas meet and what they exchange.
+    """A sync algorithm: how often the replicas meet and what they make of it.
+
+    Each function runs on every device, inside the mapped program; `state` is the algorithm's own
+    state (replicated: the same on every device; None without `init`).
 
     Attributes:
-      mode: one of SYNC_MODES.
-      every: H, steps between syncs (1 for every-step).
-      outer: DiLoCo's outer optimizer (on the averaged parameter change); None otherwise.
+      name: what `--sync` and `TrainConfig(sync=...)` call it.
+      every: H, steps between syncs (and a sync after the run's last step).
+      received: (mean, state) -> (params, state): at a sync, the params every device continues from
+        and the new state, from the mean over the devices of what they sent. None: no meeting, the
+        gradients are allreduced in every step (`every-step`, the one such algorithm).
+      sent: (params, state) -> what each device hands the allreduce; None: its params.
+      init: params -> the state before step 1; None: no state.
+      model: state -> the one model to evaluate (and `train` to return); None: the replicas' mean.
     """
 
-    mode: str = "every-step"
-    every: int = 1
-    outer: "optax.GradientTransformation | None" = None
+    name: str
+    every: int = DEFAULT_EVERY
+    received: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]] | None = None
+    sent: Callable[[PyTree, PyTree], PyTree] | None = None
+    init: Callable[[PyTree], PyTree] | None = None
+    model: Callable[[PyTree], PyTree] | None = None
 
     @property
     def local(self) -> bool:
         """Whether each device steps alone between syncs (its params are `per_device`)."""
-        return self.mode != "every-step"
+        return self.received is not None
 
     @property
     def params_kind(self) -> str:
@@ -68,41 +78,24 @@ class Sync:
         return step // self.every + (step == last_step and step % self.every != 0) if self.local else step
 
 
-def make_outer_optimizer(name: str, lr: float, momentum: float | None) -> "optax.GradientTransformation":
-    """DiLoCo's outer optimizer: SGD with Nesterov momentum (the paper's), or SGD (plain, or heavy-ball
-    `momentum`). Its "gradient" is the average parameter change θ − θ_i, so lr 1 without momentum sets θ
-    to the average of the devices' params."""
-    import optax  # here, not at the top: `import jdp` stays light
-
-    if name not in OUTER_OPTIMIZERS:
-        raise ConfigError(f"Unknown `outer_optimizer={name}`; choose one of: {', '.join(OUTER_OPTIMIZERS)}.")
-    return optax.sgd(lr, momentum=momentum or None, nesterov=name == "nesterov")
+def _mean_of_replicas(mean: PyTree, state: PyTree) -> tuple[PyTree, PyTree]:
+    """Local SGD's meeting: every device continues from the mean of the devices' params."""
+    return mean, state
 
 
-def from_settings(mode: str, every: int | None, outer_optimizer: str | None = None, outer_lr: float | None = None,
-                  outer_momentum: float | None = None) -> Sync:
-    """The `Sync` of these settings (None: the mode's default), checked.
+def diloco(every: int = DEFAULT_EVERY, outer_optimizer: str | None = None, outer_lr: float | None = None,
+           outer_momentum: float | None = None) -> Sync:
+    """DiLoCo with its outer optimizer: SGD with Nesterov momentum (the paper's), or SGD (plain, or
+    heavy-ball `outer_momentum`); None: the paper's settings. Its "gradient" is the average parameter
+    change θ − θ_i, so `outer_lr` 1 without momentum sets θ to the average of the devices' params.
+    Its state: {"params": θ, "optimizer": the outer optimizer's state}.
 
     Raises:
-      ConfigError: naming a setting that is unknown, out of range or meaningless for `mode`.
+      ConfigError: naming an outer setting that is unknown or out of range.
     """
-    if mode not in SYNC_MODES:
-        raise ConfigError(f"Unknown `sync={mode}`; choose one of: {', '.join(SYNC_MODES)}.")
-    if mode == "every-step":
-        if every not in (None, 1):
-            raise ConfigError(f"`sync_every={every}` needs a local mode: `sync=local-sgd` or `sync=diloco`.")
-        every = 1
-    elif every is None:
-        every = DEFAULT_EVERY
-    elif every < 1:
-        raise ConfigError(f"`sync_every` must be a positive number of steps, got {every}.")
-    outer = {"outer_optimizer": outer_optimizer, "outer_lr": outer_lr, "outer_momentum": outer_momentum}
-    if mode != "diloco":
-        given = [f"`{name}={value}`" for name, value in outer.items() if value is not None]
-        if given:
-            raise ConfigError(f"{', '.join(given)} set(s) DiLoCo's outer optimizer; add `sync=diloco`.")
-        return Sync(mode, every)
     name = outer_optimizer or "nesterov"
+    if name not in OUTER_OPTIMIZERS:
+        raise ConfigError(f"Unknown `outer_optimizer={name}`; choose one of: {', '.join(OUTER_OPTIMIZERS)}.")
     lr = DILOCO_OUTER["lr"] if outer_lr is None else outer_lr
     momentum = (DILOCO_OUTER["momentum"] if name == "nesterov" else None) if outer_momentum is None else outer_momentum
     if not lr > 0:
@@ -111,73 +104,141 @@ def from_settings(mode: str, every: int | None, outer_optimizer: str | None = No
         raise ConfigError(f"`outer_momentum` must be in [0, 1), got {momentum}.")
     if name == "nesterov" and not momentum:
         raise ConfigError("`outer_optimizer=nesterov` needs a momentum in (0, 1); for none, use `outer_optimizer=sgd`.")
-    return Sync(mode, every, make_outer_optimizer(name, lr, momentum))
+
+    def outer():  # built when used, not here: `import jdp` stays light (no optax)
+        import optax
+
+        return optax.sgd(lr, momentum=momentum or None, nesterov=name == "nesterov")
+
+    def init(params):
+        return {"params": params, "optimizer": outer().init(params)}
+
+    def sent(params, state):  # each device's change from θ
+        return jax.tree.map(lambda theta, p: theta - p, state["params"], params)
+
+    def received(mean_change, state):  # the outer step on θ, which every device starts from again
+        import optax
+
+        updates, outer_state = outer().update(mean_change, state["optimizer"], state["params"])
+        theta = optax.apply_updates(state["params"], updates)
+        return theta, {"params": theta, "optimizer": outer_state}
+
+    return Sync("diloco", every, received, sent, init, model=lambda state: state["params"])
+
+
+EVERY_STEP = Sync("every-step", 1)
+_SYNCS: dict[str, Sync] = {  # built-ins first, then what users register
+    "every-step": EVERY_STEP,
+    "local-sgd": Sync("local-sgd", DEFAULT_EVERY, _mean_of_replicas),
+    "diloco": diloco(),
+}
+
+
+def check(sync: Sync) -> Sync:
+    """`sync` if it is a well-formed `Sync`, else a ConfigError saying what is wrong."""
+    if not isinstance(sync, Sync):
+        raise ConfigError(f"`sync` must be a registered name or a `jdp.Sync`, got {type(sync).__name__}.")
+    if not isinstance(sync.name, str) or not sync.name:
+        raise ConfigError(f"A `jdp.Sync` needs a name to be known by, got {sync.name!r}.")
+    if sync.received is None and sync != EVERY_STEP:
+        raise ConfigError(f"The sync `{sync.name}` has no `received`: what the devices make of the mean at a sync. "
+                          "(Only `every-step`, which allreduces every step, meets no other way.)")
+    if not isinstance(sync.every, int) or sync.every < 1:
+        raise ConfigError(f"`sync_every` must be a positive number of steps, got {sync.every}.")
+    return sync
+
+
+def register(sync: Sync, *, replace: bool = False) -> Sync:
+    """Makes `sync` available by name to `--sync NAME` and `TrainConfig(sync=NAME)`.
+
+    Returns:
+      The sync algorithm as registered.
+
+    Raises:
+      ConfigError: if it is not a well-formed `Sync`, or its name is taken (unless `replace`).
+    """
+    check(sync)
+    if sync.name in _SYNCS and not replace:
+        raise ConfigError(f"A sync algorithm named `{sync.name}` is registered already; pass `replace=True`.")
+    _SYNCS[sync.name] = sync
+    return sync
+
+
+def names(*, local: bool | None = None) -> tuple[str, ...]:
+    """The registered sync algorithms' names, built-ins first; only the local (or not) ones if `local` is given."""
+    return tuple(name for name, sync in _SYNCS.items() if local in (None, sync.local))
+
+
+def from_settings(sync: "str | Sync", every: int | None = None, outer_optimizer: str | None = None,
+                  outer_lr: float | None = None, outer_momentum: float | None = None) -> Sync:
+    """The `Sync` of these settings, checked: a registered name or a `Sync`, with `every` for its H
+    (None: its own) and DiLoCo's outer settings (None: the paper's).
+
+    Raises:
+      ConfigError: naming a setting that is unknown, out of range or meaningless for `sync`.
+    """
+    if isinstance(sync, str) and sync not in _SYNCS:
+        raise ConfigError(f"Unknown `sync={sync}`; choose one of: {', '.join(_SYNCS)} (or register your own with "
+                          "`jdp.register_sync`, loaded with `--plugin MODULE`).")
+    chosen = _SYNCS[sync] if isinstance(sync, str) else check(sync)
+    if every is not None:
+        if not chosen.local and every != 1:
+            raise ConfigError(f"`sync_every={every}` needs a local mode: "
+                              f"{' or '.join(f'`sync={name}`' for name in names(local=True))}.")
+        chosen = check(dataclasses.replace(chosen, every=every)) if chosen.local else chosen
+    outer = {"outer_optimizer": outer_optimizer, "outer_lr": outer_lr, "outer_momentum": outer_momentum}
+    given = [f"`{name}={value}`" for name, value in outer.items() if value is not None]
+    if chosen.name != "diloco" and given:
+        raise ConfigError(f"{', '.join(given)} set(s) DiLoCo's outer optimizer; add `sync=diloco`.")
+    return diloco(chosen.every, outer_optimizer, outer_lr, outer_momentum) if given else chosen
 
 
 def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[jax.Device],
               backend: Backend) -> Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]:
-    """Builds `sync(params, opt_state) -> (params, opt_state)`: the replicas meet (see the module docstring).
+    """Builds `sync(params, opt_state) -> (params, opt_state)`: the replicas meet (see `Sync`).
 
     Args:
       sync: a local mode.
       strategy: sums over the devices; "inside" strategies run in the mapped program, "outside" ones
         between two mapped calls, as in the train step.
-      opt: the run's optimizer state (its strategy part and DiLoCo's outer part are used here).
+      opt: the run's optimizer state (its strategy part and the sync's own state are used here).
       devices, backend: as the train step's.
 
     Returns:
       sync(params, opt_state): both per-device arrays of the local step, donated; the params come back
       identical on every device.
     """
-    import optax  # here, not at the top: `import jdp` stays light
-
     k = len(devices)
+    sent = sync.sent or (lambda params, state: params)
 
-    def sent(params, outer):
-        """What each device hands the allreduce: its params, or its change from θ."""
-        if sync.outer is None:
-            return params
-        return jax.tree.map(lambda theta, p: theta - p, outer["params"], params)
-
-    def received(total, outer):
-        """The new params (the same on every device) and outer state, from the sum over the devices."""
-        mean = jax.tree.map(lambda x: x / k, total)
-        if sync.outer is None:
-            return mean, outer
-        updates, outer_state = sync.outer.update(mean, outer["optimizer"], outer["params"])
-        theta = optax.apply_updates(outer["params"], updates)
-        return theta, {"params": theta, "optimizer": outer_state}
+    def received(total, state):
+        return sync.received(jax.tree.map(lambda x: x / k, total), state)
 
     if strategy.where == "inside":
 
         def local_sync(params, opt_state):
-            inner, kept = opt.split(opt_state)
-            outer = opt.outer(opt_state)
-            total, kept = strategy.reduce(sent(params, outer), kept, AXIS)
-            params, outer = received(total, outer)
-            return params, opt.join(inner, kept, outer)
+            (inner, kept), state = opt.split(opt_state), opt.sync_state(opt_state)
+            total, kept = strategy.reduce(sent(params, state), kept, AXIS)
+            params, state = received(total, state)
+            return params, opt.join(inner, kept, state)
 
         return map_over_devices(local_sync, devices, backend, ("per_device", opt.kind), ("per_device", opt.kind),
                                 donate=(0, 1))
 
-    if sync.outer is None:  # the params themselves are sent
-        p_sent = lambda params, outer: params  # noqa: E731
-        p_mean = map_over_devices(lambda total: (received(total, None)[0],), devices, backend, ("per_device",),
-                                  ("per_device",), donate=(0,))
-        p_received = lambda total, outer: (p_mean(total)[0], None)  # noqa: E731
+    kinds = ("per_device", "replicated")  # the params (or what is sent), the sync's state
+    if sync.sent is None:  # the params themselves are sent: no call before the transfers
+        p_sent = sent
     else:
-        p_change = map_over_devices(lambda params, outer: (sent(params, outer),), devices, backend,
-                                    ("per_device", "replicated"), ("per_device",), donate=(0,))
-        p_sent = lambda params, outer: p_change(params, outer)[0]  # noqa: E731
-        p_received = map_over_devices(received, devices, backend, ("per_device", "replicated"),
-                                      ("per_device", "replicated"), donate=(0,))
+        p_sent_call = map_over_devices(lambda params, state: (sent(params, state),), devices, backend, kinds,
+                                       ("per_device",), donate=(0,))
+        p_sent = lambda params, state: p_sent_call(params, state)[0]  # noqa: E731
+    p_received = map_over_devices(received, devices, backend, kinds, kinds, donate=(0,))
 
     def outside_sync(params, opt_state):
-        inner, kept = opt.split(opt_state)
-        outer = opt.outer(opt_state)
-        total, kept = strategy.reduce(p_sent(params, outer), kept)  # explicit transfers between devices
-        params, outer = p_received(total, outer)
-        return params, opt.join(inner, kept, outer)
+        (inner, kept), state = opt.split(opt_state), opt.sync_state(opt_state)
+        total, kept = strategy.reduce(p_sent(params, state), kept)  # explicit transfers between devices
+        params, state = p_received(total, state)
+        return params, opt.join(inner, kept, state)
 
     return outside_sync
 
@@ -185,11 +246,23 @@ def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[
 def make_consensus(sync: Sync, opt: OptState, devices: Sequence[jax.Device],
                    backend: Backend) -> Callable[[PyTree, PyTree], PyTree]:
     """`consensus(params, opt_state)`: the one model of a local run, replicated, to evaluate between syncs:
-    the average of the devices' params (local SGD) or θ, the global params of the last sync (DiLoCo).
-    (An evaluation's own sum, not counted as the run's communication.)"""
-    if sync.outer is not None:
-        return lambda params, opt_state: opt.outer(opt_state)["params"]
+    `sync.model` of its state (DiLoCo: θ, the global params of the last sync), else the average of the
+    devices' params (local SGD; an evaluation's own sum, not counted as the run's communication)."""
+    if sync.model is not None:
+        model = map_over_devices(lambda state: (sync.model(state),), devices, backend, ("replicated",),
+                                 ("replicated",))
+        return lambda params, opt_state: model(opt.sync_state(opt_state))[0]
     k = len(devices)
     mean = map_over_devices(lambda p: (jax.tree.map(lambda x: jax.lax.psum(x, AXIS) / k, p),), devices, backend,
                             ("per_device",), ("replicated",))
     return lambda params, opt_state: mean(params)[0]
+
+
+_MOVED = {"SYNC_MODES": "`names()` (`jdp.sync_names()`), read from the registry of sync algorithms",
+          "make_outer_optimizer": "built inside `diloco(every, outer_optimizer, outer_lr, outer_momentum)`"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:  # removed after 0.1.0; see docs/api.md
+        raise AttributeError(f"`jdp.parallel.sync.{name}` is now {_MOVED[name]}.")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -54,8 +54,8 @@ class TrainConfig:
     accumulate: int = 1  # micro-batches per device per step, gradients summed before the one allreduce
     shard_optimizer: bool = False  # ZeRO: optimizer state and reduced gradients split over the devices
     precision: str = "float32"  # "bf16": bfloat16 forward/backward, float32 params, loss, gradients (jdp.models.precision)
-    sync: str = "every-step"  # when the replicas meet: "every-step", "local-sgd" or "diloco" (jdp.parallel.sync)
-    sync_every: int | None = None  # local modes: H, steps between syncs; None: 16
+    sync: str | sync_lib.Sync = "every-step"  # a registered name (jdp.sync_names()) or your own jdp.Sync
+    sync_every: int | None = None  # local modes: H, steps between syncs; None: the sync's own (built-ins: 16)
     outer_optimizer: str | None = None  # diloco: "nesterov" (None: it) or "sgd"
     outer_lr: float | None = None  # diloco: the outer optimizer's lr; None: 0.7 (Douillard et al. 2023)
     outer_momentum: float | None = None  # diloco: the outer momentum; None: 0.9 with nesterov, none with sgd
@@ -94,10 +94,10 @@ class TrainConfig:
                        "steps_per_call": (1, "runs several steps in one call, with no sync between them")}
             for name, (default, why) in refused.items():
                 if getattr(self, name) != default:
-                    raise ConfigError(f"`{name}={getattr(self, name)}` {why}; `sync={sync.mode}` keeps different "
+                    raise ConfigError(f"`{name}={getattr(self, name)}` {why}; `sync={sync.name}` keeps different "
                                       f"params on each device between syncs. Drop `{name}` or use `sync=every-step`.")
             if model.stateful:
-                raise ConfigError(f"`sync={sync.mode}` averages params only; `model={_name(self.model)}` carries state "
+                raise ConfigError(f"`sync={sync.name}` averages params only; `model={_name(self.model)}` carries state "
                                   "besides them (BatchNorm statistics, an adapted model's dropout key), which a local "
                                   "mode does not sync yet. Use `sync=every-step`, or a model without state.")
 
@@ -116,7 +116,7 @@ class TrainConfig:
         return precision.mixed(models.get(self.model, impl=impl, batchnorm=self.batchnorm), self.precision)
 
     def build_sync(self) -> sync_lib.Sync:
-        """When the replicas meet (`sync`, `sync_every`, DiLoCo's outer optimizer)."""
+        """When the replicas meet and what they make of it (`sync`, `sync_every`, DiLoCo's outer optimizer)."""
         return sync_lib.from_settings(self.sync, self.sync_every, self.outer_optimizer, self.outer_lr,
                                       self.outer_momentum)
 
@@ -129,7 +129,7 @@ class TrainConfig:
         """How this run keeps its optimizer state for `trainable` params on `device_count` devices."""
         sync = self.build_sync()
         return OptState(self.build_optimizer(), trainable, device_count, sharded=self.shard_optimizer,
-                        strategy=self.strategy(), local=sync.local, outer_optimizer=sync.outer)
+                        strategy=self.strategy(), local=sync.local, sync_init=sync.init)
 
     def check_fits(self, train_images: int, device_count: int) -> None:
         """Raises ConfigError if the batch cannot be split over the devices or exceeds the train set."""
@@ -143,9 +143,9 @@ class TrainConfig:
             raise ConfigError(f"`batch_size={self.batch_size}` exceeds the {train_images} training images.")
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings as JSON values: a `Model` or `Allreduce` object is recorded by its name."""
+        """The settings as JSON values: a `Model`, `Allreduce` or `Sync` object is recorded by its name."""
         values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        return {**values, "model": _name(self.model), "allreduce": _name(self.allreduce)}
+        return {**values, "model": _name(self.model), "allreduce": _name(self.allreduce), "sync": _name(self.sync)}
 
 
 def learning_rate(config: TrainConfig) -> "float | optax.Schedule":
@@ -180,5 +180,5 @@ def checkpoint_target(config: TrainConfig, device_count: int = 1) -> PyTree:
     return {"params": params, "opt_state": opt_state, "data_key": jax.random.key_data(jax.random.key(0))}
 
 
-def _name(choice: str | Model | Allreduce) -> str:
+def _name(choice: str | Model | Allreduce | sync_lib.Sync) -> str:
     return choice if isinstance(choice, str) else choice.name
