@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from jdp.cli import main as cli
 from jdp.errors import ConfigError
 from jdp.runtime import cluster, launch
 
@@ -146,13 +147,14 @@ def test_launch_without_root_refuses_in_one_line():
     assert result.stderr.count("\n") == 1 and "needs root" in result.stderr, result.stderr
 
 
-def test_cluster_flags_need_hosts_and_hosts_needs_a_rate():
+def test_cluster_flags_need_hosts_and_hosts_needs_a_rate(capsys):
     for args, message in ((["--num-processes", "2", "--nic", "1gbit"], "`--nic` describes an emulated cluster"),
                           (["--hosts", "2"], "`--hosts 2` needs `--nic RATE`"),
                           (["--hosts", "2", "--nic", "fast"], "`--nic fast` is not a rate"),
                           ([], "needs `--num-processes P`")):
-        result = run_jdp(["launch", *args, "--", "jdp", "train"], timeout=60)
-        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert cli.main(["launch", *args, "--", "jdp", "train"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
 
 
 def test_restart_advice_repeats_the_cluster():

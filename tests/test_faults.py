@@ -167,7 +167,7 @@ class Unwatched:
     def after_call(self, *args):
         pass
 
-    def flush(self):
+    def flush(self, params=None):
         pass
 
 

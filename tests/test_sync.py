@@ -163,6 +163,7 @@ def test_a_local_mode_resumes_only_on_the_same_device_count(tmp_path, devices):
 
 # ---- bytes in history.json ----------------------------------------------------------------------
 
+@pytest.mark.slow  # two CLI runs; fast siblings: test_sync_settings_default_and_check, test_tensorboard_counts_bytes_per_sync
 def test_history_records_bytes_per_step_per_sync_and_sent(tmp_path):
     flags = ["train", "--devices", "4", "--dataset", "synthetic", "--epochs", "1", "--batch-size", "128",
              "--no-progress", "--no-xla-flags"]  # 16 steps
