@@ -186,10 +186,16 @@ def running(pid):
         return False
 
 
+def interruptible():
+    """SIGINT back to its default in the launcher: a command run in the background (`cmd &`, as CI jobs may be)
+    starts with SIGINT ignored, its children too, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_sleepers(hosts=2):
     launcher = subprocess.Popen([sys.executable, "-m", "jdp", "launch", "--hosts", str(hosts), "--nic", "10mbit", "--",
                                  sys.executable, "-c", SLEEPER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+                                text=True, preexec_fn=interruptible)
     deadline = time.monotonic() + 30
     seen = 0
     while time.monotonic() < deadline and seen < hosts:  # every host's process says its address
