@@ -186,16 +186,17 @@ def running(pid):
         return False
 
 
-def interruptible():
-    """SIGINT back to its default in the launcher: a command run in the background (`cmd &`, as CI jobs may be)
-    starts with SIGINT ignored, its children too, and Python then never raises KeyboardInterrupt."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def start_sleepers(hosts=2):
-    launcher = subprocess.Popen([sys.executable, "-m", "jdp", "launch", "--hosts", str(hosts), "--nic", "10mbit", "--",
-                                 sys.executable, "-c", SLEEPER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, preexec_fn=interruptible)
+    # A command run in the background (`cmd &`, as CI jobs may be) starts with SIGINT ignored, and its children
+    # too: Python would never raise KeyboardInterrupt in the launcher. A handled signal is reset to its default
+    # in a child, an ignored one is not: handle it while the launcher starts.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        launcher = subprocess.Popen([sys.executable, "-m", "jdp", "launch", "--hosts", str(hosts), "--nic", "10mbit",
+                                     "--", sys.executable, "-c", SLEEPER], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, before)
     deadline = time.monotonic() + 30
     seen = 0
     while time.monotonic() < deadline and seen < hosts:  # every host's process says its address
