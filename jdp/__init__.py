@@ -26,7 +26,7 @@ from jdp.parallel.cost import Cost, Terms
 from jdp.parallel.layout import map_over_devices, replicate, split_batch, unreplicate
 from jdp.parallel.opt_state import OptState
 from jdp.parallel.opt_state import init_sharded as init_sharded_opt_state
-from jdp.parallel.step import make_train_step
+from jdp.parallel.step import make_local_step, make_sharded_step, make_train_step
 from jdp.parallel.strategy import Allreduce
 from jdp.parallel.sync import Sync
 from jdp.parallel.sync import names as sync_names
@@ -93,7 +93,9 @@ __all__ = [
     "load_dataset",
     "low_precision",
     "make_evaluator",
+    "make_local_step",
     "make_optimizer",
+    "make_sharded_step",
     "make_train_step",
     "map_over_devices",
     "model_names",

@@ -29,7 +29,7 @@ from jdp.parallel import collectives
 from jdp.parallel import strategy as strategy_lib
 from jdp.parallel.layout import map_over_devices, replicate, sharded, split_batch
 from jdp.parallel.opt_state import init_sharded
-from jdp.parallel.step import make_train_step
+from jdp.parallel.step import make_sharded_step, make_train_step
 from jdp.parallel.strategy import Allreduce
 from jdp.runtime.devices import AXIS
 from jdp.types import PyTree
@@ -410,7 +410,8 @@ def _trajectory(strategy: Allreduce, devices: tuple[jax.Device, ...], steps: int
     batch = SGD_IMAGES_PER_DEVICE * k
     trajectory = []
     try:
-        step = make_train_step(model.loss, optimizer, strategy, list(devices), shard_optimizer=shard_optimizer)
+        make = make_sharded_step if shard_optimizer else make_train_step
+        step = make(model.loss, optimizer, strategy, list(devices))
         p = replicate(params, devices)
         if shard_optimizer:
             s = init_sharded(optimizer, params, list(devices))

@@ -167,7 +167,7 @@ def test_nnx_variables_outside_the_trainable_filter_are_carried_unchanged(device
     init = model.init(jax.random.key(0))
     assert set(init["params"]) == {"out"} and {"conv", "bn"} <= set(init["state"]["model"])
     optimizer = optax.sgd(0.1)
-    step = jdp.make_train_step(model.loss, optimizer, "psum", devices[:2], stateful=True)
+    step = jdp.make_train_step(model, optimizer, "psum", devices[:2])
     variables = jdp.replicate(init, devices[:2])
     opt_state = jdp.replicate(optimizer.init(init["params"]), devices[:2])
     variables, _, _ = step(variables, opt_state, *jdp.split_batch(DATA.train.images[:16], DATA.train.labels[:16],

@@ -166,6 +166,16 @@ def mlp_run(data, tmp_path_factory):
     return params, history, directory
 
 
+@pytest.mark.parametrize("moved, replacement", [
+    ({"stateful": True}, "pass the `jdp.Model` itself"),
+    ({"shard_optimizer": True}, "`jdp.make_sharded_step`"),
+    ({"sync": None}, "`jdp.make_local_step(loss, opt, devices)`, `opt` a local `jdp.OptState`"),
+])
+def test_a_moved_step_argument_names_its_replacement(devices, moved, replacement):
+    with pytest.raises(TypeError, match=rf"`make_train_step\({next(iter(moved))}=...\)` is gone: {re.escape(replacement)}"):
+        jdp.make_train_step(MLP.loss, jdp.make_optimizer("sgd", 0.1), "psum", devices[:2], **moved)
+
+
 def test_own_model_resumes_mid_run_bit_identically(data, devices, mlp_run, tmp_path):
     want, history, full_dir = mlp_run
     steps_per_epoch, total = N_TRAIN // BATCH, 2 * N_TRAIN // BATCH

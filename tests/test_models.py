@@ -58,8 +58,7 @@ def run_steps(model, strategy, backend, devices, batches, lr=0.1, variables=None
     batches = [(np.asarray(x, dtype), y) for x, y in batches]
     v = layout.replicate(variables, devices, backend)
     s = layout.replicate(optimizer.init(models.trainable(model, variables)), devices, backend)
-    step = make_train_step(model.loss, optimizer, allreduce.get(strategy), devices, backend=backend,
-                           stateful=model.stateful)
+    step = make_train_step(model, optimizer, allreduce.get(strategy), devices, backend=backend)
     losses = []
     for x, y in batches:
         v, s, loss = step(v, s, *layout.split_batch(x, y, devices, backend))

@@ -13,7 +13,7 @@ from jdp.cli import main as cli
 from jdp.errors import ConfigError
 from jdp.parallel import layout
 from jdp.parallel.layout import fetch
-from jdp.parallel.step import make_train_step
+from jdp.parallel.step import make_local_step
 from jdp.parallel.sync import Sync, from_settings
 from jdp.training import checkpoint
 from jdp.training.config import TrainConfig, checkpoint_target
@@ -109,9 +109,9 @@ def test_replicas_differ_between_syncs(devices):
     """Each device steps on its own shard: after step 2 of H = 4 the params differ from device to device."""
     k, config = 4, dataclasses.replace(BASE, sync="local-sgd", sync_every=4)
     model = config.build_model()
-    sync, params = config.build_sync(), model.init(jax.random.key(0))
+    params = model.init(jax.random.key(0))
     opt = config.opt_state(params, k)
-    own_step = make_train_step(model.loss, config.build_optimizer(), "psum", devices[:k], sync=sync)
+    own_step = make_local_step(model, opt, devices[:k])
     state = (layout.place(jax.tree.map(lambda x: np.broadcast_to(x, (k, *x.shape)), params), "per_device",
                           devices[:k]), opt.place(opt.init(params, jax.random.key(0)), devices[:k], "pmap"))
     x, y = layout.split_batch(SMALL.train.images[:32], SMALL.train.labels[:32], devices[:k])

@@ -20,7 +20,7 @@ from jdp.models import lenet
 from jdp.parallel import allreduce
 from jdp.parallel.opt_state import OptState, init_sharded
 from jdp.parallel.layout import BACKENDS, replicate, sharded, split_batch, unreplicate
-from jdp.parallel.step import accumulate_grads, make_train_step
+from jdp.parallel.step import accumulate_grads, make_sharded_step, make_train_step
 from jdp.runtime.devices import AXIS
 from jdp.training import checkpoint, optimizers
 from jdp.training.config import TrainConfig, checkpoint_target
@@ -71,7 +71,7 @@ def run(name, devices, backend, batches, *, strategy="psum", accumulate=1, shard
     opt = optimizer(name)
     params = lenet.init(jax.random.key(0))
     p, s = replicate(params, devices, backend), initial_state(opt, params, devices, backend, shard)
-    step = make_train_step(LOSS, opt, strategy, devices, backend, accumulate=accumulate, shard_optimizer=shard)
+    step = (make_sharded_step if shard else make_train_step)(LOSS, opt, strategy, devices, backend, accumulate=accumulate)
     for number, (x, y) in enumerate(batches, start=1):
         p, s, losses = step(p, s, *split_batch(x, y, devices, backend))
         assert losses.shape == (len(devices),)
@@ -221,9 +221,9 @@ def test_reduce_scatter_and_all_gather_of_every_strategy(k, devices):
 
 def test_strategies_without_halves_and_bad_optimizer_settings_are_config_errors(devices):
     with pytest.raises(ConfigError, match=r"`allreduce=tree` does not provide; use one of: psum, manual, manual_ring, ring"):
-        make_train_step(LOSS, optimizer("sgd"), "tree", devices[:2], shard_optimizer=True)
+        make_sharded_step(LOSS, optimizer("sgd"), "tree", devices[:2])
     with pytest.raises(ConfigError, match=r"`allreduce=psum\+fused`"):
-        make_train_step(LOSS, optimizer("sgd"), allreduce.get("psum", fuse=True), devices[:2], shard_optimizer=True)
+        make_sharded_step(LOSS, optimizer("sgd"), allreduce.get("psum", fuse=True), devices[:2])
     with pytest.raises(ConfigError, match=r"`momentum` applies to `optimizer=momentum`, not `adamw`"):
         optimizers.make("adamw", 0.1, momentum=0.9)
     with pytest.raises(ConfigError, match=r"Unknown `optimizer=adam`; choose one of: sgd, momentum, adamw"):

@@ -34,7 +34,7 @@ from jdp.parallel.collectives import psum_scatter
 from jdp.parallel.inflight import repeat_step
 from jdp.parallel.layout import map_over_devices, replicate, split_batch
 from jdp.parallel.opt_state import OptState, init_sharded
-from jdp.parallel.step import make_train_step
+from jdp.parallel.step import make_sharded_step, make_train_step
 from jdp.runtime.devices import AXIS
 from jdp.training import optimizers
 
@@ -115,7 +115,7 @@ def step_seconds(model: models.Model, variables: Any, optimizer_name: str, devic
     runs = {}
     for mode in MODES:
         sharded = mode == "sharded"
-        step = make_train_step(model.loss, optimizer, "psum", devices, stateful=model.stateful, shard_optimizer=sharded)
+        step = (make_sharded_step if sharded else make_train_step)(model, optimizer, "psum", devices)
         state = (replicate(variables, devices),
                  init_sharded(optimizer, params, devices) if sharded
                  else replicate(optimizer.init(params), devices))

@@ -3,7 +3,7 @@
 A stateless model's variables are its params. A model with BatchNorm also carries state that the
 forward pass updates but gradients do not touch (the running statistics); its variables are
 `{"params": ..., "state": {"batch_stats": ...}}` and its loss returns the new state, so the train
-step (`jdp.make_train_step(..., stateful=True)`) differentiates "params" only and carries
+step (`jdp.make_train_step(model, ...)`, given the model) differentiates "params" only and carries
 "state" through. Both are plain pytrees: `replicate`, the allreduce strategies, checkpoints and
 guards treat them like any other.
 

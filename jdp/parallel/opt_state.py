@@ -188,7 +188,7 @@ def _slices(leaf: Any, k: int) -> np.ndarray:
 
 def init_sharded(optimizer: "optax.GradientTransformation", params: PyTree, devices: list[jax.Device],
                  backend: Backend = "pmap") -> PyTree:
-    """The initial optimizer state of `params`, sharded over `devices`: what `make_train_step(...,
-    shard_optimizer=True)` takes as `opt_state` (the counterpart of `jdp.replicate(optimizer.init(params))`)."""
+    """The initial optimizer state of `params`, sharded over `devices`: what `make_sharded_step`
+    takes as `opt_state` (the counterpart of `jdp.replicate(optimizer.init(params))`)."""
     state = OptState(optimizer, params, len(devices), sharded=True)
     return state.place(state.init(params, jax.random.key(0)), devices, backend)

@@ -1,14 +1,22 @@
-"""The data-parallel train step, built once from (loss, optimizer, strategy, devices, backend).
+"""The data-parallel train steps, each built once from (loss, optimizer, strategy, devices, backend).
 
 Per device: forward/backward on its shard of the batch (loss summed over the shard), allreduce
 the gradients (sum over devices), divide by the FULL batch size, one optax update. Every device
-applies the same update to the same params, so the replicas stay identical. With the optimizer
-sharded (ZeRO, Rajbhandari et al. 2020), the allreduce is split into its halves and the update
-runs between them on each device's 1/k slice. `jdp.parallel.layout.map_over_devices` maps the
-per-device program with either backend; an "outside" strategy runs between mapped calls. Under a
-local sync mode (`jdp.parallel.sync`) each device steps alone, on its own params, until they meet.
+applies the same update to the same params, so the replicas stay identical. Three builders share
+that per-device work (`_OnDevice`) and differ in what follows the gradients:
+
+* `make_train_step`: the strategy sums them, every device applies the whole update;
+* `make_sharded_step` (ZeRO, Rajbhandari et al. 2020): the strategy's halves, the update between
+  them on each device's 1/k slice;
+* `make_local_step` (a local sync mode, `jdp.parallel.sync`): no sum; each device steps alone, on
+  its own params, until they meet.
+
+`jdp.parallel.layout.map_over_devices` maps the per-device program with either backend; an
+"outside" strategy runs between mapped calls.
 """
 
+import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -17,12 +25,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from jdp.errors import ConfigError, check_positive
+from jdp.models import Model
 from jdp.parallel import allreduce as allreduce_lib
 from jdp.parallel.buckets import plan
 from jdp.parallel.layout import Backend, check_backend, map_over_devices
 from jdp.parallel.opt_state import OptState
 from jdp.parallel.strategy import Allreduce
-from jdp.parallel.sync import Sync
 from jdp.runtime.devices import AXIS
 from jdp.types import PyTree
 
@@ -30,26 +38,88 @@ if TYPE_CHECKING:
     import optax
 
 LossFn = Callable[[PyTree, jax.Array, jax.Array], jax.Array]
-# (params, state, images, labels) -> (summed loss, new state): a model with state such as BatchNorm's statistics
-StatefulLossFn = Callable[[PyTree, PyTree, jax.Array, jax.Array], tuple[jax.Array, PyTree]]
 # (params, opt_state, images, labels) -> (params, opt_state, per-device summed loss)
 TrainStep = Callable[[PyTree, PyTree, jax.Array, jax.Array], tuple[PyTree, PyTree, jax.Array]]
 Segment = Callable[[str, Callable], Callable]
 
+_MOVED = {
+    "stateful": "pass the `jdp.Model` itself as the loss: its `stateful` says how its loss is called",
+    "shard_optimizer": "`jdp.make_sharded_step` builds the sharded (ZeRO) step",
+    "sync": "`jdp.make_local_step(loss, opt, devices)`, `opt` a local `jdp.OptState`, builds a local mode's step",
+}
 
-def make_train_step(
-    loss_fn: LossFn | StatefulLossFn,
-    optimizer: "optax.GradientTransformation",
-    allreduce: Allreduce | str,
-    devices: Sequence[jax.Device],
-    backend: Backend = "pmap",
-    *,
-    stateful: bool = False,
-    segment: Segment = lambda name, fn: fn,
-    accumulate: int = 1,
-    shard_optimizer: bool = False,
-    sync: Sync | None = None,
-) -> TrainStep:
+
+def _moved_arguments(builder: Callable) -> Callable:
+    """Names the new way of an argument the step builders no longer take (see docs/api.md)."""
+
+    @functools.wraps(builder)
+    def checked(*args, **kwargs):
+        for name in kwargs.keys() & _MOVED.keys():
+            raise TypeError(f"`{builder.__name__}({name}=...)` is gone: {_MOVED[name]} (docs/api.md).")
+        return builder(*args, **kwargs)
+
+    return checked
+
+
+@dataclasses.dataclass(frozen=True)
+class _OnDevice:
+    """What each device computes in every step: its shard's gradient sum, then one optax update.
+
+    A stateful model's variables are {"params", "state"}: only "params" is differentiated and
+    updated, "state" is replaced by the loss's new state.
+    """
+
+    loss_fn: Callable
+    stateful: bool
+    optimizer: "optax.GradientTransformation"
+    accumulate: int
+
+    @classmethod
+    def of(cls, loss: "LossFn | Model", optimizer: "optax.GradientTransformation", accumulate: int) -> "_OnDevice":
+        check_positive("accumulate", accumulate)
+        if isinstance(loss, Model):
+            return cls(loss.loss, loss.stateful, optimizer, accumulate)
+        return cls(loss, False, optimizer, accumulate)
+
+    def params_of(self, variables: PyTree) -> PyTree:
+        return variables["params"] if self.stateful else variables
+
+    def with_params(self, variables: PyTree, params: PyTree, state: PyTree) -> PyTree:
+        return {"params": params, "state": state} if self.stateful else params
+
+    def _micro_grads(self, variables, images, labels):
+        if not self.stateful:
+            return *jax.value_and_grad(self.loss_fn)(variables, images, labels), None
+        (loss, state), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(
+            variables["params"], variables["state"], images, labels)
+        return loss, grads, state
+
+    def grads(self, variables: PyTree, images: jax.Array, labels: jax.Array) -> tuple[jax.Array, PyTree, PyTree]:
+        """(loss, gradient sum over this device's shard, new model state or None)."""
+        if self.accumulate > 1:
+            return accumulate_grads(self._micro_grads, variables, images, labels, self.accumulate,
+                                    stateful=self.stateful)
+        return self._micro_grads(variables, images, labels)
+
+    def apply(self, params: PyTree, optimizer_state: PyTree, grad_sums: PyTree, rows: int) -> tuple[PyTree, PyTree]:
+        """One update with the mean gradient: `grad_sums` summed over `rows` images."""
+        import optax  # here, not at the top: `import jdp` stays light
+
+        grads = jax.tree.map(lambda g: g / rows, grad_sums)
+        updates, optimizer_state = self.optimizer.update(grads, optimizer_state, params)
+        return optax.apply_updates(params, updates), optimizer_state
+
+    def update(self, variables: PyTree, optimizer_state: PyTree, grad_sums: PyTree, state: PyTree,
+               rows: int) -> tuple[PyTree, PyTree]:
+        """`apply` on the variables' params; the model's new state beside them."""
+        params, optimizer_state = self.apply(self.params_of(variables), optimizer_state, grad_sums, rows)
+        return self.with_params(variables, params, state), optimizer_state
+
+
+@_moved_arguments
+def make_train_step(loss: "LossFn | Model", optimizer: "optax.GradientTransformation", allreduce: Allreduce | str,
+                    devices: Sequence[jax.Device], backend: Backend = "pmap", *, accumulate: int = 1,
+                    segment: Segment = lambda name, fn: fn) -> TrainStep:
     """Builds the data-parallel train step, mapped once over `devices` by `backend`.
 
     Both backends run the same per-device program (the strategy is the one and only sum of the
@@ -61,27 +131,19 @@ def make_train_step(
     With either, `devices` may span several processes.
 
     Args:
-      loss_fn: (params, images, labels) -> loss summed over the images; with `stateful`,
-        (params, state, images, labels) -> (summed loss, new state), e.g. BatchNorm statistics.
+      loss: (params, images, labels) -> loss summed over the images; or a `jdp.Model`, whose loss a
+        stateful model calls with its state: the step's params are then {"params", "state"}.
       optimizer: applied to the mean gradient of the full batch.
       allreduce: how the per-device gradient sums are added up: a strategy or a registered name.
       devices: the devices the step runs on (the mesh, in order).
       backend: "pmap" or "shard_map".
-      stateful: the step's first argument is {"params", "state"} (see `jdp.Model`): only "params"
-        is differentiated and updated, "state" is replaced by the loss's new state.
-      segment: `segment(kind, fn) -> fn` wraps each call of an "outside" strategy's step, kind
-        "compute" or "communication" (e.g. to time them, `jdp.training.profile.Profiler.segment`).
       accumulate: N micro-batches per device: each device's shard is cut into N equal parts whose
         gradients are summed one after another (`accumulate_grads`) before the one allreduce.
-      shard_optimizer: ZeRO: reduce-scatter the gradients with the strategy's first half, update
-        each device's 1/k slice with its 1/k of the optimizer state, all-gather the params with the
-        second half. The strategy must have halves (`Allreduce.has_halves`).
-      sync: a local mode (`jdp.parallel.sync`): no allreduce in the step; each device updates its own
-        params (`per_device`) with the mean gradient of its own shard and its own optimizer state,
-        and `jdp.parallel.sync.make_sync` makes them meet. None or every-step: the step above.
+      segment: `segment(kind, fn) -> fn` wraps each call of an "outside" strategy's step, kind
+        "compute" or "communication" (e.g. to time them, `jdp.training.profile.Profiler.segment`).
 
-    The optimizer state is that of `jdp.parallel.opt_state.OptState`: replicated, sharded, or with
-    a stateful strategy's per-device state beside the optimizer's (`pmap` only).
+    The optimizer state is that of `jdp.parallel.opt_state.OptState`: replicated, with a stateful
+    strategy's per-device state beside the optimizer's (`pmap` only).
 
     Returns:
       step(params, opt_state, images, labels) -> (params, opt_state, losses): inputs placed with
@@ -92,79 +154,29 @@ def make_train_step(
       ConfigError: for an unknown backend, a strategy this step cannot run (see `check_strategy`), or
         a shard that does not split into `accumulate` equal parts (when traced).
     """
-    import optax  # here, not at the top: `import jdp` stays light
-
+    device = _OnDevice.of(loss, optimizer, accumulate)
     check_backend(backend)
-    check_positive("accumulate", accumulate)
     strategy = allreduce_lib.get(allreduce)
-    check_strategy(strategy, devices, backend, shard_optimizer)
-    local = sync is not None and sync.local
-    if local and shard_optimizer:
-        raise ConfigError(f"`sync={sync.name}` keeps different params on each device; `shard_optimizer=True` "
-                          "needs them identical. Drop one of them.")
-    k = len(devices)
-    opt = OptState(optimizer, None, k, sharded=shard_optimizer, strategy=strategy, local=local,
-                   sync_init=sync.init if local else None)
-
-    def params_of(variables):
-        return variables["params"] if stateful else variables
-
-    def with_params(variables, params, state):
-        return {"params": params, "state": state} if stateful else params
-
-    def micro_grads(variables, images, labels):
-        if not stateful:
-            return *jax.value_and_grad(loss_fn)(variables, images, labels), None
-        (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            variables["params"], variables["state"], images, labels)
-        return loss, grads, state
-
-    def local_grads(variables, images, labels):
-        """(loss, gradient sum over this device's shard, new model state or None)."""
-        if accumulate > 1:
-            return accumulate_grads(micro_grads, variables, images, labels, accumulate, stateful=stateful)
-        return micro_grads(variables, images, labels)
-
-    def apply(params, optimizer_state, grad_sums, local_batch, devices_summed=k):
-        grads = jax.tree.map(lambda g: g / (local_batch * devices_summed), grad_sums)  # divide by the batch summed
-        updates, optimizer_state = optimizer.update(grads, optimizer_state, params)
-        return optax.apply_updates(params, updates), optimizer_state
-
-    if local:
-
-        def own_step(variables, opt_state, images, labels):
-            optimizer_state, kept = opt.split(opt_state)
-            loss, grads, state = local_grads(variables, images, labels)
-            params, optimizer_state = apply(params_of(variables), optimizer_state, grads, images.shape[0], 1)
-            opt_state = opt.join(optimizer_state, kept, opt.sync_state(opt_state))
-            return with_params(variables, params, state), opt_state, loss
-
-        return map_over_devices(own_step, devices, backend, ("per_device", opt.kind, "batch", "batch"),
-                                ("per_device", opt.kind, "per_device"), donate=(0, 1))
-
-    if shard_optimizer:
-        return _sharded_step(strategy, opt, local_grads, apply, params_of, with_params, devices, backend, segment)
-
-    def update(variables, optimizer_state, grads, state, images):
-        params, optimizer_state = apply(params_of(variables), optimizer_state, grads, images.shape[0])
-        return with_params(variables, params, state), optimizer_state
+    check_strategy(strategy, devices, backend)
+    opt, k = OptState(optimizer, None, len(devices), strategy=strategy), len(devices)
 
     if strategy.where == "inside":
 
         def local_step(variables, opt_state, images, labels):
             optimizer_state, kept = opt.split(opt_state)
-            loss, grads, state = local_grads(variables, images, labels)
+            loss, grads, state = device.grads(variables, images, labels)
             grads, kept = strategy.reduce(grads, kept, AXIS)  # the one reduction over the devices
-            variables, optimizer_state = update(variables, optimizer_state, grads, state, images)
+            variables, optimizer_state = device.update(variables, optimizer_state, grads, state, images.shape[0] * k)
             return variables, opt.join(optimizer_state, kept), loss
 
         return map_over_devices(local_step, devices, backend, ("replicated", opt.kind, "batch", "batch"),
                                 ("replicated", opt.kind, "per_device"), donate=(0, 1))
 
-    p_grads = segment("compute", map_over_devices(local_grads, devices, backend, ("replicated", "batch", "batch"),
+    p_grads = segment("compute", map_over_devices(device.grads, devices, backend, ("replicated", "batch", "batch"),
                                                   ("per_device", "per_device", "replicated")))
     p_update = segment("compute", map_over_devices(
-        update, devices, backend, ("replicated", opt.optimizer_kind, "per_device", "replicated", "batch"),
+        lambda v, o, g, s, x: device.update(v, o, g, s, x.shape[0] * k), devices, backend,
+        ("replicated", opt.optimizer_kind, "per_device", "replicated", "batch"),
         ("replicated", opt.optimizer_kind), donate=(0, 1)))
     reduce = segment("communication", strategy.reduce)
 
@@ -176,6 +188,103 @@ def make_train_step(
         return variables, opt.join(optimizer_state, kept), loss
 
     return step
+
+
+@_moved_arguments
+def make_sharded_step(loss: "LossFn | Model", optimizer: "optax.GradientTransformation", allreduce: Allreduce | str,
+                      devices: Sequence[jax.Device], backend: Backend = "pmap", *, accumulate: int = 1,
+                      segment: Segment = lambda name, fn: fn) -> TrainStep:
+    """`make_train_step` with the optimizer state sharded over the devices (ZeRO-2).
+
+    The gradients are raveled into one buffer per dtype, zero-padded to k equal slices
+    (`jdp.parallel.buckets.Flat`); the strategy's first half (`reduce_scatter`) gives device i the
+    sum of slice i only, device i updates slice i of the params with its slice of the optimizer
+    state, and the second half (`all_gather`) gathers the new slices. Elementwise optimizers only
+    (SGD, momentum, AdamW); the padding's gradient, state and params stay zero. Arguments and result
+    as `make_train_step`'s; `opt_state` comes from `jdp.init_sharded_opt_state`.
+
+    Raises:
+      ConfigError: as `make_train_step`, and for a strategy without halves (`check_strategy`).
+    """
+    device = _OnDevice.of(loss, optimizer, accumulate)
+    check_backend(backend)
+    strategy = allreduce_lib.get(allreduce)
+    check_strategy(strategy, devices, backend, shard_optimizer=True)
+    opt, k = OptState(optimizer, None, len(devices), sharded=True, strategy=strategy), len(devices)
+
+    def update_slice(variables, optimizer_state, grad_slices, local_batch):
+        """Slice i of the params, updated with this device's state and summed gradient slice."""
+        params = device.params_of(variables)
+        return device.apply(plan(params, k).slices(params, lax.axis_index(AXIS)), optimizer_state, grad_slices,
+                            local_batch * k)
+
+    def assemble(variables, gathered, state):
+        params = device.params_of(variables)
+        return device.with_params(variables, plan(params, k).unflatten(gathered), state)
+
+    if strategy.where == "inside":
+
+        def local_step(variables, optimizer_state, images, labels):
+            loss, grads, state = device.grads(variables, images, labels)
+            reduced = [strategy.reduce_scatter(b, AXIS) for b in plan(grads, k).flatten(grads)]  # my slice's sum
+            mine, optimizer_state = update_slice(variables, optimizer_state, reduced, images.shape[0])
+            gathered = [strategy.all_gather(m, AXIS) for m in mine]  # every slice, everywhere
+            return assemble(variables, gathered, state), optimizer_state, loss
+
+        return map_over_devices(local_step, devices, backend, ("replicated", opt.kind, "batch", "batch"),
+                                ("replicated", opt.kind, "per_device"), donate=(0, 1))
+
+    def local_buffers(variables, images, labels):
+        loss, grads, state = device.grads(variables, images, labels)
+        return loss, plan(grads, k).flatten(grads), state
+
+    p_buffers = segment("compute", map_over_devices(local_buffers, devices, backend, ("replicated", "batch", "batch"),
+                                                    ("per_device", "per_device", "replicated")))
+    p_update = segment("compute", map_over_devices(
+        lambda v, o, g, x: update_slice(v, o, g, x.shape[0]), devices, backend,
+        ("replicated", opt.kind, "per_device", "batch"), ("per_device", opt.kind), donate=(1,)))
+    p_assemble = segment("compute", map_over_devices(lambda v, g, s: (assemble(v, g, s),), devices, backend,
+                                                     ("replicated", "per_device", "replicated"), ("replicated",),
+                                                     donate=(0,)))
+    reduce_scatter = segment("communication", lambda buffers: [strategy.reduce_scatter(b) for b in buffers])
+    all_gather = segment("communication", lambda slices: [strategy.all_gather(m) for m in slices])
+
+    def step(variables, optimizer_state, images, labels):
+        loss, buffers, state = p_buffers(variables, images, labels)
+        mine, optimizer_state = p_update(variables, optimizer_state, reduce_scatter(buffers), images)
+        (variables,) = p_assemble(variables, all_gather(mine), state)
+        return variables, optimizer_state, loss
+
+    return step
+
+
+def make_local_step(loss: "LossFn | Model", opt: OptState, devices: Sequence[jax.Device], backend: Backend = "pmap",
+                    *, accumulate: int = 1) -> TrainStep:
+    """The step of a local sync mode (`jdp.parallel.sync`): no allreduce; each device updates its own params.
+
+    Each device applies the mean gradient of its own shard with its own optimizer state to its own
+    `per_device` params; `jdp.parallel.sync.make_sync` makes them meet. `opt` is the run's optimizer
+    state (`OptState(..., local=True)`), which also holds what the syncs keep (the sync's own state,
+    e.g. DiLoCo's global params; a stateful strategy's), untouched here. Arguments and result otherwise
+    as `make_train_step`'s.
+
+    Raises:
+      ConfigError: for an `opt` that is not local (every step: use `make_train_step`), as `make_train_step`.
+    """
+    device = _OnDevice.of(loss, opt.optimizer, accumulate)
+    check_backend(backend)
+    if not opt.local:
+        raise ConfigError("`make_local_step` steps each device alone, which its `opt` does not keep "
+                          "(`OptState(..., local=True)`); a step that sums the gradients is `make_train_step`'s.")
+
+    def own_step(variables, opt_state, images, labels):
+        optimizer_state, kept = opt.split(opt_state)
+        loss, grads, state = device.grads(variables, images, labels)
+        variables, optimizer_state = device.update(variables, optimizer_state, grads, state, images.shape[0])
+        return variables, opt.join(optimizer_state, kept, opt.sync_state(opt_state)), loss
+
+    return map_over_devices(own_step, devices, backend, ("per_device", opt.kind, "batch", "batch"),
+                            ("per_device", opt.kind, "per_device"), donate=(0, 1))
 
 
 def check_strategy(strategy: Allreduce, devices: Sequence[jax.Device], backend: Backend,
@@ -204,63 +313,6 @@ def check_strategy(strategy: Allreduce, devices: Sequence[jax.Device], backend: 
             f"`allreduce={strategy.name}` does not provide; use one of: {', '.join(allreduce_lib.names(halves=True))}, "
             "or give your strategy `reduce_scatter` and `all_gather` (see `jdp.Allreduce`)."
         )
-
-
-def _sharded_step(strategy: Allreduce, opt: OptState, local_grads: Callable, apply: Callable, params_of: Callable,
-                  with_params: Callable, devices: Sequence[jax.Device], backend: Backend, segment: Segment
-                  ) -> TrainStep:
-    """The ZeRO step: reduce-scatter each flat gradient buffer, update this device's slice, all-gather.
-
-    The gradients are raveled into one buffer per dtype, zero-padded to k equal slices
-    (`jdp.parallel.buckets.Flat`); device i receives the sum of slice i only, updates slice i of the
-    params with its slice of the optimizer state, and the new slices are all-gathered. Elementwise
-    optimizers only (SGD, momentum, AdamW); the padding's gradient, state and params stay zero.
-    """
-    k = len(devices)
-
-    def update_slice(variables, optimizer_state, grad_slices, local_batch):
-        """Slice i of the params, updated with this device's state and summed gradient slice."""
-        params = params_of(variables)
-        return apply(plan(params, k).slices(params, lax.axis_index(AXIS)), optimizer_state, grad_slices, local_batch)
-
-    def assemble(variables, gathered, state):
-        params = params_of(variables)
-        return with_params(variables, plan(params, k).unflatten(gathered), state)
-
-    if strategy.where == "inside":
-
-        def local_step(variables, optimizer_state, images, labels):
-            loss, grads, state = local_grads(variables, images, labels)
-            reduced = [strategy.reduce_scatter(b, AXIS) for b in plan(grads, k).flatten(grads)]  # my slice's sum
-            mine, optimizer_state = update_slice(variables, optimizer_state, reduced, images.shape[0])
-            gathered = [strategy.all_gather(m, AXIS) for m in mine]  # every slice, everywhere
-            return assemble(variables, gathered, state), optimizer_state, loss
-
-        return map_over_devices(local_step, devices, backend, ("replicated", opt.kind, "batch", "batch"),
-                                ("replicated", opt.kind, "per_device"), donate=(0, 1))
-
-    def local_buffers(variables, images, labels):
-        loss, grads, state = local_grads(variables, images, labels)
-        return loss, plan(grads, k).flatten(grads), state
-
-    p_buffers = segment("compute", map_over_devices(local_buffers, devices, backend, ("replicated", "batch", "batch"),
-                                                    ("per_device", "per_device", "replicated")))
-    p_update = segment("compute", map_over_devices(
-        lambda v, o, g, x: update_slice(v, o, g, x.shape[0]), devices, backend,
-        ("replicated", opt.kind, "per_device", "batch"), ("per_device", opt.kind), donate=(1,)))
-    p_assemble = segment("compute", map_over_devices(lambda v, g, s: (assemble(v, g, s),), devices, backend,
-                                                     ("replicated", "per_device", "replicated"), ("replicated",),
-                                                     donate=(0,)))
-    reduce_scatter = segment("communication", lambda buffers: [strategy.reduce_scatter(b) for b in buffers])
-    all_gather = segment("communication", lambda slices: [strategy.all_gather(m) for m in slices])
-
-    def step(variables, optimizer_state, images, labels):
-        loss, buffers, state = p_buffers(variables, images, labels)
-        mine, optimizer_state = p_update(variables, optimizer_state, reduce_scatter(buffers), images)
-        (variables,) = p_assemble(variables, all_gather(mine), state)
-        return variables, optimizer_state, loss
-
-    return step
 
 
 # Whether XLA keeps one micro-batch's activations when unrolled micro-batches are ordered by

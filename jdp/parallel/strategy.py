@@ -11,7 +11,7 @@ A strategy runs in one of two places, and so is called in one of two ways:
 Beyond the sum, a strategy may declare capabilities, which the step and the wrappers read instead
 of recognising strategies by name:
 
-* halves, ``reduce_scatter`` and ``all_gather``: what `make_train_step(..., shard_optimizer=True)`
+* halves, ``reduce_scatter`` and ``all_gather``: what `make_sharded_step`
   (ZeRO) calls with the optimizer update between them;
 * per-device state, ``init``: kept on each device from one step to the next (PowerSGD's error
   feedback), which the step carries in its optimizer state (`jdp.parallel.opt_state`);

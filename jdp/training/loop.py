@@ -18,10 +18,11 @@ from jdp import models
 from jdp.data import Dataset
 from jdp.errors import ConfigError, JdpError, check_positive
 from jdp.parallel.layout import copies, fetch, map_over_devices, place, to_host
-from jdp.parallel.step import make_train_step
+from jdp.parallel.step import TrainStep
 from jdp.parallel.sync import make_consensus, make_sync
 from jdp.runtime import faults
 from jdp.training import checkpoint, formulation, guards
+from jdp.training.build import BuiltRun, build_run
 from jdp.training.config import TrainConfig
 from jdp.training.evaluate import make_evaluator
 from jdp.training.feeders import make_epoch_runner
@@ -100,21 +101,20 @@ def train(
         check_positive("check_replicas", check_replicas, "number of steps")
     if collective_timeout is not None and not collective_timeout > 0:
         raise ConfigError(f"`collective_timeout` must be a positive number of seconds, got {collective_timeout}.")
+    run = build_run(config, devices)
+    model, sync, opt = run.model, run.sync, run.opt
     init_key, data_key = jax.random.split(jax.random.key(config.seed))
-    optimizer = config.build_optimizer()  # the lesson's SGD by default, on the full batch's mean gradient
-    model = config.build_model()
     params = model.init(init_key)
     steps_per_epoch = len(dataset.train.labels) // config.batch_size
+    last_step = steps_per_epoch * config.epochs
     if profile is not None:
-        check_window(profile.first, profile.last, steps_per_epoch * config.epochs)
+        check_window(profile.first, profile.last, last_step)
     if stopwatch is not None:
         stopwatch.straggler.check(jax.process_count())
         if config.steps_per_call != 1:
             raise ConfigError(f"`steps_per_call={config.steps_per_call}` runs several steps in one call; a simulated "
                               "straggler delays and times each step: use `steps_per_call=1`.")
-    strategy, sync, last_step = config.strategy(), config.build_sync(), steps_per_epoch * config.epochs
     job = faults.JobWatch(collective_timeout, on_lost)  # a no-op with one process
-    opt = config.opt_state(models.trainable(model, params), len(devices))
     keeper = Keeper(
         checkpoint_dir, checkpoint_every,
         describe_run(config.to_dict(), dataset, len(devices),
@@ -134,33 +134,14 @@ def train(
     data_key = jax.random.wrap_key_data(arrays["data_key"])
     state = (place(arrays["params"], sync.params_kind, devices, config.backend),
              opt.place(arrays["opt_state"], devices, config.backend))
-    step = make_train_step(model.loss, optimizer, strategy, devices, backend=config.backend, stateful=model.stateful,
-                           accumulate=config.accumulate, shard_optimizer=config.shard_optimizer, sync=sync,
-                           **({} if profile is None else {"segment": profile.segment}))
-    model_of = lambda state: state[0]  # noqa: E731  (the one model, replicated: evaluated after each epoch)
-    if stopwatch is not None:
-        step = stopwatch.step(step, lambda: keeper.step + 1)
-    if sync.local:
-        meet = make_sync(sync, strategy, opt, devices, config.backend)
-        if stopwatch is not None:
-            meet = stopwatch.sync(meet)
-
-        def step_then_sync(params, opt_state, images, labels):  # the loop counts the steps: `keeper.step` before it
-            params, opt_state, loss = local_step(params, opt_state, images, labels)
-            if sync.due(keeper.step + 1, last_step):
-                params, opt_state = meet(params, opt_state)
-            return params, opt_state, loss
-
-        local_step, step = step, step_then_sync
-        consensus = make_consensus(sync, opt, devices, config.backend)
-        model_of = lambda state: consensus(*state)  # noqa: E731
+    step, model_of = _wired_step(run, keeper, last_step, profile, stopwatch)
     evaluate = make_evaluator(model.apply, devices, on_all_devices=config.eval_on == "all", backend=config.backend)
     if model.per_replica_state:  # one set of statistics before evaluating and saving (see jdp.models)
         average = map_over_devices(lambda variables: (models.average_state(variables),), devices, config.backend,
                                    ("per_device",), ("per_device",), donate=(0,))
     run_epoch = make_epoch_runner(step, dataset.train, devices, config.batch_size, config.backend,
                                   steps_per_call=config.steps_per_call, params_kind=sync.params_kind,
-                                  traceable=strategy.where == "inside" and not sync.local and stopwatch is None)
+                                  traceable=run.strategy.where == "inside" and not sync.local and stopwatch is None)
     after_call = keeper.after_call
     if profile is not None:
         profile.at(keeper.step, state)
@@ -200,6 +181,34 @@ def train(
         raise
     finally:
         job.close()
+
+
+def _wired_step(run: BuiltRun, keeper: Keeper, last_step: int, profile: Profiler | None,
+                stopwatch: Stopwatch | None) -> tuple[TrainStep, Callable[[tuple[PyTree, PyTree]], PyTree]]:
+    """The step the loop calls, and the one model of a state to evaluate.
+
+    A local sync mode's replicas meet after the steps it is due (`keeper.step` counts them), and its
+    model is their consensus; every other step keeps one model, replicated. A stopwatch times each step
+    and each sync; a profile's segments wrap an outside strategy's calls.
+    """
+    config, sync = run.config, run.sync
+    step = run.step(None if profile is None else profile.segment)
+    if stopwatch is not None:
+        step = stopwatch.step(step, lambda: keeper.step + 1)
+    if not sync.local:
+        return step, lambda state: state[0]
+    meet = make_sync(sync, run.strategy, run.opt, run.devices, config.backend)
+    if stopwatch is not None:
+        meet = stopwatch.sync(meet)
+
+    def step_then_sync(params, opt_state, images, labels):  # the loop counts the steps: `keeper.step` before it
+        params, opt_state, loss = step(params, opt_state, images, labels)
+        if sync.due(keeper.step + 1, last_step):
+            params, opt_state = meet(params, opt_state)
+        return params, opt_state, loss
+
+    consensus = make_consensus(sync, run.opt, run.devices, config.backend)
+    return step_then_sync, lambda state: consensus(*state)
 
 
 def step_losses(losses: list[jax.Array]) -> np.ndarray:
