@@ -47,8 +47,8 @@ def train_recording(config, dataset, devices, **kwargs):
     import jdp
 
     losses = []
-    params, _ = jdp.train(config, dataset, devices, on_steps=lambda first, step_losses: losses.extend(step_losses),
-                      **kwargs)
+    params, _ = jdp.train(config, dataset, devices, **kwargs,
+                          hooks=jdp.Hooks(on_steps=lambda first, step_losses: losses.extend(step_losses)))
     return params, [float(x) for x in losses]
 
 
@@ -62,7 +62,8 @@ def worker(args) -> None:
     jdp.simulate_cpu_devices(int(args.cpu_devices))
     jax.distributed.initialize(args.coordinator, int(args.num_processes), int(args.process_id))
     dataset = subset(common.load_data(args, 2048, 512))
-    params, losses = train_recording(config("hierarchical"), dataset, jdp.select_devices(), check_replicas=1)
+    params, losses = train_recording(config("hierarchical"), dataset, jdp.select_devices(),
+                                     guards=jdp.Guards(check_replicas=1))
     np.savez(Path(args.out) / f"params-p{jax.process_index()}.npz", *[np.asarray(x) for x in jax.tree.leaves(params)],
              losses=np.asarray(losses))
 
@@ -92,6 +93,8 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
 
+    import jdp
+
     devices = jax.devices()[:8]
     dataset = subset(common.load_data(args, 2048, 512))
     rows, record = [], {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -107,10 +110,12 @@ def main() -> None:
     for k, names in ((8, ["ring", *SIMULATED]), (4, ["ring"])):  # the flat ring: another summation order
         want, reference = train_recording(config("psum"), dataset, devices[:k])
         for name in names:
-            got, losses = train_recording(config(name), dataset, devices[:k], check_replicas=1)  # raises unless same
+            # raises unless the same
+            got, losses = train_recording(config(name), dataset, devices[:k], guards=jdp.Guards(check_replicas=1))
             report(f"{k} simulated devices, 1 process", name, got, want, "yes (every step)", losses, reference)
         for name in (WIRE, "ring") if k == 8 else ():  # bf16 on the wire: the flat ring's difference for scale
-            got, losses = train_recording(config(name, "bf16-wire"), dataset, devices[:k], check_replicas=1)
+            got, losses = train_recording(config(name, "bf16-wire"), dataset, devices[:k],
+                                          guards=jdp.Guards(check_replicas=1))
             report(f"{k} simulated devices, 1 process", f"{name} --compress bf16-wire", got, want, "yes (every step)",
                    losses, reference)
     saved = [np.load(out / f"params-p{i}.npz") for i in (0, 1)]

@@ -34,9 +34,11 @@ from jdp.parallel.sync import register as register_sync
 from jdp.runtime.devices import AXIS, select_devices, simulate_cpu_devices
 from jdp.runtime.devices import describe as describe_devices
 from jdp.runtime.xla_flags import enable as enable_xla_flags
+from jdp.training.checkpoint import Checkpoints
 from jdp.training.config import TrainConfig
 from jdp.training.evaluate import make_evaluator
-from jdp.training.loop import EpochRecord, train
+from jdp.training.guards import Guards
+from jdp.training.loop import EpochRecord, Hooks, train
 from jdp.training.optimizers import make as make_optimizer
 
 try:
@@ -64,12 +66,15 @@ def __dir__() -> list[str]:
 __all__ = [
     "AXIS",
     "Allreduce",
+    "Checkpoints",
     "ConfigError",
     "Cost",
     "DataError",
     "Dataset",
     "DeviceError",
     "EpochRecord",
+    "Guards",
+    "Hooks",
     "JdpError",
     "Model",
     "OptState",

@@ -8,6 +8,9 @@ CLI rewrites each name that is one of its flags into the flag (`--accumulate 5`,
 Anything that is not a `JdpError` is a bug and keeps its traceback.
 """
 
+import functools
+from collections.abc import Callable
+
 
 class JdpError(Exception):
     """A problem with the user's input, data or environment, stated as a sentence with the fix."""
@@ -44,3 +47,19 @@ def check_positive(name: str, value: int, unit: str = "integer") -> None:
     """
     if value < 1:
         raise ConfigError(f"`{name}` must be a positive {unit}, got {value}.")
+
+
+def moved_arguments(moved: dict[str, str]) -> Callable[[Callable], Callable]:
+    """Decorates a function whose keyword arguments `moved` went elsewhere: passing one raises a TypeError
+    that names where it went (`moved[name]`), for the release after the move (docs/api.md lists them)."""
+
+    def decorate(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def checked(*args, **kwargs):
+            for name in kwargs.keys() & moved.keys():
+                raise TypeError(f"`{function.__name__}({name}=...)` is gone: {moved[name]} (docs/api.md).")
+            return function(*args, **kwargs)
+
+        return checked
+
+    return decorate

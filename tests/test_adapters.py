@@ -58,7 +58,7 @@ def runs():
     def run(library, name):
         if (library, name) not in cache:
             cache[library, name] = jdp.train(config(adapted(library), **RUNS[name]), DATA, jax.devices()[:2],
-                                             check_replicas=1)
+                                             guards=jdp.Guards(check_replicas=1))
         return cache[library, name]
 
     return run
@@ -91,7 +91,8 @@ def test_adapted_model_trains_alike_with_psum_and_ring_with_a_sharded_optimizer(
 def test_adapted_nnx_model_trains_alike_with_every_strategy_and_backend(options, runs):
     """Outside strategies (copies between mapped calls), shard_map's layout and chunked calls carry the state too."""
     want, _ = runs("nnx", "psum")
-    got, _ = jdp.train(config(make_nnx_cnn(), **options), DATA, jax.devices()[:2], check_replicas=1)
+    got, _ = jdp.train(config(make_nnx_cnn(), **options), DATA, jax.devices()[:2],
+                       guards=jdp.Guards(check_replicas=1))
     assert max_relative_difference(got, want) < 1e-4
 
 
@@ -105,7 +106,8 @@ def test_per_replica_batchnorm_keeps_each_devices_statistics_and_trains_with_rep
            for name, model in [("per-replica", per_replica), ("sync", sync)]}
     spread = lambda state: max(float(np.abs(a[0] - a[1]).max()) for a in jax.tree.leaves(state))  # noqa: E731
     assert spread(new["sync"]) == 0 and spread(new["per-replica"]) > 1e-4  # momentum 0.9: 10% of a step
-    jdp.train(config(per_replica, epochs=1), DATA, devices[:2], check_replicas=1)  # params and key stay replicated
+    # params and key stay replicated
+    jdp.train(config(per_replica, epochs=1), DATA, devices[:2], guards=jdp.Guards(check_replicas=1))
 
 
 def test_sync_batchnorm_on_two_devices_equals_one_device_on_the_full_batch():
@@ -151,12 +153,12 @@ def test_dropout_key_differs_per_device_and_step_and_is_reproducible(library):
 def test_resumed_mid_epoch_equals_uninterrupted_bit_for_bit(tmp_path, devices):
     """NNX with BatchNorm and dropout: a run stopped at step 6 of 8 and resumed ends with the same bits."""
     cfg = config(make_nnx_cnn())
-    whole, _ = jdp.train(cfg, DATA, devices[:2], checkpoint_dir=tmp_path / "whole", checkpoint_every=3)
+    whole, _ = jdp.train(cfg, DATA, devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "whole", checkpoint_every=3))
     shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
     for later in checkpoint.list_checkpoints(tmp_path / "resumed")[:-1]:  # keep step 6's checkpoint only
         later.unlink()
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "resumed")] == ["checkpoint-000000006.msgpack"]
-    resumed, _ = jdp.train(cfg, DATA, devices[:2], checkpoint_dir=tmp_path / "resumed", resume=True)
+    resumed, _ = jdp.train(cfg, DATA, devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "resumed", resume=True))
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 

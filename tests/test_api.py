@@ -161,8 +161,9 @@ def test_api_doc_mentions_every_public_name():
 def mlp_run(data, tmp_path_factory):
     """The uninterrupted run of the MLP: 2 epochs of 4 steps, psum, a checkpoint every 3 steps."""
     directory = tmp_path_factory.mktemp("mlp-full")
-    params, history = jdp.train(config(MLP), data, jax.devices()[:2], checkpoint_dir=directory,
-                                checkpoint_every=3, check_replicas=1)
+    params, history = jdp.train(config(MLP), data, jax.devices()[:2],
+                                checkpoints=jdp.Checkpoints(directory, checkpoint_every=3),
+                                guards=jdp.Guards(check_replicas=1))
     return params, history, directory
 
 
@@ -176,6 +177,23 @@ def test_a_moved_step_argument_names_its_replacement(devices, moved, replacement
         jdp.make_train_step(MLP.loss, jdp.make_optimizer("sgd", 0.1), "psum", devices[:2], **moved)
 
 
+@pytest.mark.parametrize("moved, group", [
+    ("checkpoint_dir", "checkpoints=jdp.Checkpoints"), ("resume", "checkpoints=jdp.Checkpoints"),
+    ("on_epoch", "hooks=jdp.Hooks"), ("check_replicas", "guards=jdp.Guards"), ("on_lost", "guards=jdp.Guards")])
+def test_a_moved_train_argument_names_its_group(data, devices, moved, group):
+    with pytest.raises(TypeError, match=rf"`train\({moved}=...\)` is gone: `{re.escape(group)}\({moved}=...\)`"):
+        jdp.train(config(MLP), data, devices[:2], **{moved: None})
+
+
+def test_the_groups_of_train_arguments_check_their_values(tmp_path):
+    with pytest.raises(jdp.ConfigError, match=r"`checkpoint_every` must be a positive number of steps, got 0"):
+        jdp.Checkpoints(tmp_path, checkpoint_every=0)
+    with pytest.raises(jdp.ConfigError, match=r"`check_replicas` must be a positive number of steps, got 0"):
+        jdp.Guards(check_replicas=0)
+    with pytest.raises(jdp.ConfigError, match=r"`collective_timeout` must be a positive number of seconds, got -1"):
+        jdp.Guards(collective_timeout=-1)
+
+
 def test_own_model_resumes_mid_run_bit_identically(data, devices, mlp_run, tmp_path):
     want, history, full_dir = mlp_run
     steps_per_epoch, total = N_TRAIN // BATCH, 2 * N_TRAIN // BATCH
@@ -187,8 +205,10 @@ def test_own_model_resumes_mid_run_bit_identically(data, devices, mlp_run, tmp_p
     shutil.copy2(full_dir / name, tmp_path / name)
 
     epochs_run = []
-    got, resumed_history = jdp.train(config(MLP), data, devices[:2], checkpoint_dir=tmp_path, checkpoint_every=3,
-                                     resume=True, check_replicas=1, on_epoch=lambda r: epochs_run.append(r.epoch))
+    got, resumed_history = jdp.train(config(MLP), data, devices[:2],
+                                     checkpoints=jdp.Checkpoints(tmp_path, checkpoint_every=3, resume=True),
+                                     hooks=jdp.Hooks(on_epoch=lambda r: epochs_run.append(r.epoch)),
+                                     guards=jdp.Guards(check_replicas=1))
 
     resumed_epoch = mid // steps_per_epoch + 1
     assert epochs_run == list(range(resumed_epoch, 3)), epochs_run
@@ -205,7 +225,8 @@ def test_guards_stop_own_model_on_nan_loss(data, devices):
         return {**params, "out": {**params["out"], "b": params["out"]["b"].at[3].set(jnp.nan)}}
 
     with pytest.raises(jdp.TrainingError, match=r"step 1: the loss is not finite"):
-        jdp.train(config(MLP._replace(init=poisoned), epochs=1), data, devices[:2], check_replicas=1)
+        jdp.train(config(MLP._replace(init=poisoned), epochs=1), data, devices[:2],
+                  guards=jdp.Guards(check_replicas=1))
 
 
 def test_replica_check_catches_own_allreduce_that_diverges(data, devices):
@@ -214,7 +235,7 @@ def test_replica_check_catches_own_allreduce_that_diverges(data, devices):
 
     cfg = config(MLP, epochs=1, allreduce=jdp.Allreduce("uneven", uneven))
     with pytest.raises(jdp.TrainingError, match=r"Replicas diverged by step 1"):
-        jdp.train(cfg, data, devices[:2], check_replicas=1)
+        jdp.train(cfg, data, devices[:2], guards=jdp.Guards(check_replicas=1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,7 +248,8 @@ def test_stateful_own_model_trains_and_resumes_bit_identically(data, devices, tm
     full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
 
     # checkpoints at the end of each epoch (no checkpoint_every)
-    want, history = jdp.train(config(CENTRED), data, devices, checkpoint_dir=full_dir, check_replicas=1)
+    want, history = jdp.train(config(CENTRED), data, devices, checkpoints=jdp.Checkpoints(full_dir),
+                              guards=jdp.Guards(check_replicas=1))
     assert set(want) == {"params", "state"}
     assert int(want["state"]["count"]) == total, "the loss's new state was not carried from step to step"
     assert float(jnp.abs(want["state"]["mean"]).max()) > 0.01
@@ -238,8 +260,10 @@ def test_stateful_own_model_trains_and_resumes_bit_identically(data, devices, tm
     name = f"checkpoint-{steps_per_epoch:09d}.msgpack"
     shutil.copy2(full_dir / name, resumed_dir / name)
     epochs_run = []
-    got, resumed_history = jdp.train(config(CENTRED), data, devices, checkpoint_dir=resumed_dir, resume=True,
-                                     check_replicas=1, on_epoch=lambda r: epochs_run.append(r.epoch))
+    got, resumed_history = jdp.train(config(CENTRED), data, devices,
+                                     checkpoints=jdp.Checkpoints(resumed_dir, resume=True),
+                                     hooks=jdp.Hooks(on_epoch=lambda r: epochs_run.append(r.epoch)),
+                                     guards=jdp.Guards(check_replicas=1))
 
     assert epochs_run == [2]
     assert resumed_history[0] == history[0]

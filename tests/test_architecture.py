@@ -129,7 +129,7 @@ def test_sync_recipe_is_exact_at_h1(ema_average_plugin, devices):
     every_step, every_history = jdp.train(config, small, devices[:4])
     for decay, close in ((0.0, True), (0.9, False)):
         synced = dataclasses.replace(config, sync=ema_average.ema_average(decay), sync_every=1)
-        params, history = jdp.train(synced, small, devices[:4], check_replicas=1)
+        params, history = jdp.train(synced, small, devices[:4], guards=jdp.Guards(check_replicas=1))
         assert history[0].syncs == 8
         assert history[0].train_loss == pytest.approx(every_history[0].train_loss, rel=1e-6)
         assert (max_difference(params, every_step) < 1e-6) is close  # rounding only; the EMA lags by ~1e-2

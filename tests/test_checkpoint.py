@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from optax import sgd
 
+import jdp
 from jdp import data
 from jdp.cli import main as cli
 from jdp.errors import ConfigError, DataError
@@ -220,7 +221,7 @@ CONFIG = TrainConfig(batch_size=16, lr=0.1, epochs=1, seed=0)
 def one_epoch(tmp_path_factory):
     """A checkpoint directory holding the end of a 1-epoch run of CONFIG on 2 devices (8 steps)."""
     folder = tmp_path_factory.mktemp("one_epoch")
-    train(CONFIG, SMALL, jax.devices()[:2], checkpoint_dir=folder)
+    train(CONFIG, SMALL, jax.devices()[:2], checkpoints=jdp.Checkpoints(folder))
     return folder
 
 
@@ -234,7 +235,8 @@ def test_resume_refuses_another_batch_size_seed_or_dataset(one_epoch, tmp_path, 
         (CONFIG, SMALL, 3, "divisible by the number of devices"),  # as for a fresh run
     ]:
         with pytest.raises(ConfigError, match=message):
-            train(dataclasses.replace(config, epochs=2), dataset, devices[:k], checkpoint_dir=tmp_path, resume=True)
+            train(dataclasses.replace(config, epochs=2), dataset, devices[:k],
+                  checkpoints=jdp.Checkpoints(tmp_path, resume=True))
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["checkpoint-000000008.msgpack"]
 
 
@@ -246,7 +248,7 @@ def test_resume_on_another_device_count_continues_the_same_math(one_epoch, tmp_p
     shutil.copytree(one_epoch, tmp_path, dirs_exist_ok=True)
     with caplog.at_level(logging.INFO, logger="jdp"):
         resumed, history = train(dataclasses.replace(CONFIG, epochs=2), SMALL, devices[:4],
-                                 checkpoint_dir=tmp_path, resume=True)
+                                 checkpoints=jdp.Checkpoints(tmp_path, resume=True))
     assert "resuming on 4 devices instead of the checkpoint's 2: each update is the same sum" in caplog.text
     assert [r.epoch for r in history] == [1, 2]
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed), strict=True):

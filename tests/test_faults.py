@@ -24,6 +24,7 @@ from jdp.cli import main as cli
 from jdp.errors import ConfigError, ProcessLostError
 from jdp.runtime import faults, launch
 from jdp.training import checkpoint, tally
+from jdp.training.checkpoint import Checkpoints
 from jdp.training.config import TrainConfig, checkpoint_target
 from jdp.training.keeper import Keeper
 from jdp.training.resume import check_resumable, check_same_state
@@ -172,8 +173,9 @@ class Unwatched:
 
 
 def keeper(directory, job):
-    return Keeper(directory, 2, {"config": {}}, steps_per_epoch=8, watch=Unwatched(), host_copy=np.asarray,
-                  data_key=np.zeros(2, np.uint32), opt_host_copy=np.asarray, job=job)
+    return Keeper(Checkpoints(directory, 2), {"config": {}}, steps_per_epoch=8, watch=Unwatched(),
+                  host_copy=lambda params, opt_state: (np.asarray(params), np.asarray(opt_state)),
+                  data_key=np.zeros(2, np.uint32), job=job)
 
 
 def test_a_checkpoint_that_not_every_process_reached_is_not_written(tmp_path):

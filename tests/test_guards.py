@@ -8,6 +8,7 @@ import optax
 import pytest
 from optax import sgd
 
+import jdp
 from jdp import data
 from jdp.cli import main as cli
 from jdp.errors import TrainingError
@@ -204,8 +205,8 @@ def test_check_replicas_stops_a_run_whose_replicas_diverge(devices, monkeypatch)
     config = TrainConfig(batch_size=8, lr=0.1, epochs=1, allreduce="broken")
     with pytest.raises(TrainingError, match=r"Replicas diverged by step 3: `\['params'\]\['b4'\]` on CpuDevice\(id=5\) "
                                             r"differs from the copy that 7 of 8 devices hold"):
-        train(config, dataset, devices, check_replicas=3)
-    train(dataclasses.replace(config, allreduce="manual"), dataset, devices, check_replicas=1)
+        train(config, dataset, devices, guards=jdp.Guards(check_replicas=3))
+    train(dataclasses.replace(config, allreduce="manual"), dataset, devices, guards=jdp.Guards(check_replicas=1))
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import pytest
 from adapter_models import make_nnx_cnn
 from host_reads import counting_reads
 
+import jdp
 from jdp import data
 from jdp.bench.loop import tiny_mlp
 from jdp.training.config import TrainConfig
@@ -46,6 +47,6 @@ def test_the_steady_state_loop_reads_nothing_from_the_devices(devices, backend, 
 
     config = TrainConfig(batch_size=batch, lr=0.1, epochs=2, backend=backend, allreduce=allreduce,
                          model=MODELS.get(model, lambda: model)(), steps_per_call=steps_per_call)
-    _, history = train(config, dataset, devices[:2], progress=progress)
+    _, history = train(config, dataset, devices[:2], hooks=jdp.Hooks(progress=progress))
     assert [len(reads) for reads in reads_per_epoch] == [0, 0], f"reads in epoch 1: {reads_per_epoch[0][:4]}..."
     assert all(np.isfinite(record.train_loss) for record in history)

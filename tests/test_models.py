@@ -13,6 +13,7 @@ import pytest
 from optax import sgd
 from reference import LOSS, assert_replicas_identical, single_device_full_batch
 
+import jdp
 from jdp import data, models
 from jdp.errors import ConfigError
 from jdp.models import flax as flax_models
@@ -194,7 +195,7 @@ def test_per_replica_training_passes_the_replica_check(devices):
     statistics are meant to differ mid-epoch; comparing them too would stop this run at step 1)."""
     ds = data.synthetic(jax.random.key(3), n_train=64, n_test=24)
     config = TrainConfig(model="resnet18", batchnorm="per-replica", batch_size=16, lr=0.1, epochs=1)
-    variables, history = train(config, ds, devices[:2], check_replicas=1)
+    variables, history = train(config, ds, devices[:2], guards=jdp.Guards(check_replicas=1))
     assert len(history) == 1 and 0.0 <= history[0].test_acc <= 1.0
     assert set(variables) == {"params", "state"}
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(variables))

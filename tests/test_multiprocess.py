@@ -124,6 +124,7 @@ PREAMBLE = textwrap.dedent("""
     import numpy as np
     from jdp import data
     from jdp.runtime import devices, distributed
+    from jdp.training.guards import Guards
     from jdp.training.loop import TrainConfig, train
 
     parser = argparse.ArgumentParser()
@@ -231,7 +232,7 @@ HIERARCHICAL_DRIVER = PREAMBLE + textwrap.dedent("""
     inner, across = collectives.host_groups(len(mesh))  # one host per process
     print("hosts", [[mesh[d].process_index for d in host] for host in inner], "across", across, flush=True)
     params, history = train(TrainConfig(**{config}), data.synthetic(jax.random.key(0), **{synthetic}), mesh,
-                            check_replicas=1)
+                            guards=Guards(check_replicas=1))
     np.savez(a.save + str(jax.process_index()) + ".npz", *[np.asarray(leaf) for leaf in jax.tree.leaves(params)])
 """)
 

@@ -55,8 +55,8 @@ def test_runner_equals_the_host_loop(split, devices, resident, strategy, steps_p
     step = make_train_step(MODEL.loss, OPTIMIZER, strategy, devices)
     key = jax.random.key(5)
     want_params, want_loss = host_loop(step, split, devices, key)
-    run = pipeline.make_epoch_runner(step, split, devices, BATCH, steps_per_call=steps_per_call,
-                                     traceable=strategy.where == "inside", resident=resident)
+    plan = pipeline.CallPlan(steps_per_call, traceable=strategy.where == "inside", resident=resident)
+    run = pipeline.make_epoch_runner(step, split, devices, BATCH, plan=plan)
     calls = []
     (params, _, counted), losses = run(fresh_carry(devices), key, lambda it, total: calls.append(total) or it)
     assert calls == [-(-5 // steps_per_call)]  # 2 steps per call: calls of 2, 2 and 1
@@ -74,7 +74,7 @@ def test_runner_equals_the_host_loop(split, devices, resident, strategy, steps_p
 def test_several_steps_per_call_need_a_collective_strategy(split, devices):
     step = make_train_step(MODEL.loss, OPTIMIZER, allreduce.get("manual"), devices[:2])
     with pytest.raises(ConfigError, match="`steps_per_call=2`"):
-        pipeline.make_epoch_runner(step, split, devices[:2], BATCH, steps_per_call=2, traceable=False)
+        pipeline.make_epoch_runner(step, split, devices[:2], BATCH, plan=pipeline.CallPlan(2, traceable=False))
 
 
 def test_fashion_mnist_fits_on_eight_cpu_devices(devices):

@@ -113,7 +113,7 @@ def config(**changes):
 
 @pytest.mark.parametrize("model", ["lenet", pytest.param("lenet_flax", marks=pytest.mark.slow)])
 def test_trains_with_replicas_bit_identical_and_float32_params(model, devices):
-    params, history = train(config(model=model), SMALL, devices[:2], check_replicas=1)
+    params, history = train(config(model=model), SMALL, devices[:2], guards=jdp.Guards(check_replicas=1))
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params))
     assert all(np.isfinite(r.train_loss) for r in history)
 
@@ -122,25 +122,27 @@ def test_trains_with_replicas_bit_identical_and_float32_params(model, devices):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("backend", ["pmap", "shard_map"])
 def test_every_strategy_and_backend_trains_in_bf16(strategy, backend, devices):
-    _, history = train(config(allreduce=strategy, backend=backend), SMALL, devices[:2], check_replicas=1)
+    _, history = train(config(allreduce=strategy, backend=backend), SMALL, devices[:2],
+                       guards=jdp.Guards(check_replicas=1))
     assert all(np.isfinite(r.train_loss) for r in history)
 
 
 @pytest.mark.slow
 def test_resnet18_trains_in_bf16_with_float32_batch_statistics(devices):
-    variables, history = train(config(model="resnet18", epochs=1), SMALL, devices[:2], check_replicas=1)
+    variables, history = train(config(model="resnet18", epochs=1), SMALL, devices[:2],
+                               guards=jdp.Guards(check_replicas=1))
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(variables))
     assert np.isfinite(history[0].train_loss)
 
 
 def test_resume_is_bit_identical_in_bf16(devices, tmp_path):
     full, resumed_dir = tmp_path / "full", tmp_path / "resumed"
-    want, history = train(config(epochs=2), SMALL, devices[:2], checkpoint_dir=full, checkpoint_every=3)
+    want, history = train(config(epochs=2), SMALL, devices[:2], checkpoints=jdp.Checkpoints(full, checkpoint_every=3))
     first = sorted(full.glob("checkpoint-*.msgpack"))[0]  # the older of the two kept: step 6 of 8, mid-epoch 2
     assert first.name == "checkpoint-000000006.msgpack", first
     resumed_dir.mkdir()
     shutil.copy2(first, resumed_dir / first.name)
-    got, resumed = train(config(epochs=2), SMALL, devices[:2], checkpoint_dir=resumed_dir, resume=True)
+    got, resumed = train(config(epochs=2), SMALL, devices[:2], checkpoints=jdp.Checkpoints(resumed_dir, resume=True))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert [r.train_loss for r in resumed] == [r.train_loss for r in history]

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+import jdp
 from jdp import data
 from jdp.cli import main as cli
 from jdp.errors import ConfigError
@@ -24,7 +25,7 @@ BASE = TrainConfig(batch_size=32, lr=0.1, epochs=1, seed=0)  # 8 steps
 
 
 def run(devices, k=4, **settings):
-    return train(dataclasses.replace(BASE, **settings), SMALL, devices[:k], check_replicas=1)
+    return train(dataclasses.replace(BASE, **settings), SMALL, devices[:k], guards=jdp.Guards(check_replicas=1))
 
 
 def max_difference(a, b):
@@ -139,12 +140,12 @@ def test_diloco_resumed_mid_interval_ends_bit_identical(tmp_path, devices):
     to the same final params and history as an uninterrupted run, bit for bit."""
     config = dataclasses.replace(BASE, sync="diloco", sync_every=4, optimizer="momentum", lr=0.05)
     whole, whole_history = train(dataclasses.replace(config, epochs=2), SMALL, devices[:4])
-    train(config, SMALL, devices[:4], checkpoint_dir=tmp_path, checkpoint_every=3)  # saves after 3, 6 and 8
+    train(config, SMALL, devices[:4], checkpoints=jdp.Checkpoints(tmp_path, checkpoint_every=3))  # saves at 3, 6, 8
     newest = checkpoint.list_checkpoints(tmp_path)[0]
     assert newest.name == "checkpoint-000000008.msgpack"
     newest.unlink()  # as if killed after step 6's save
-    resumed, history = train(dataclasses.replace(config, epochs=2), SMALL, devices[:4], checkpoint_dir=tmp_path,
-                             resume=True)
+    resumed, history = train(dataclasses.replace(config, epochs=2), SMALL, devices[:4],
+                             checkpoints=jdp.Checkpoints(tmp_path, resume=True))
     assert_bit_identical(whole, resumed)
     assert [dataclasses.replace(r, seconds=0) for r in history] == \
         [dataclasses.replace(r, seconds=0) for r in whole_history]
@@ -154,11 +155,13 @@ def test_diloco_resumed_mid_interval_ends_bit_identical(tmp_path, devices):
 
 def test_a_local_mode_resumes_only_on_the_same_device_count(tmp_path, devices):
     config = dataclasses.replace(BASE, sync="local-sgd", sync_every=4)
-    train(config, SMALL, devices[:4], checkpoint_dir=tmp_path)
+    train(config, SMALL, devices[:4], checkpoints=jdp.Checkpoints(tmp_path))
     with pytest.raises(ConfigError, match="for each of 4 devices; this run has 2. Resume on 4 devices"):
-        train(dataclasses.replace(config, epochs=2), SMALL, devices[:2], checkpoint_dir=tmp_path, resume=True)
+        train(dataclasses.replace(config, epochs=2), SMALL, devices[:2],
+              checkpoints=jdp.Checkpoints(tmp_path, resume=True))
     with pytest.raises(ConfigError, match="This run has `sync=every-step` but the checkpoint has `sync=local-sgd`"):
-        train(dataclasses.replace(BASE, epochs=2), SMALL, devices[:4], checkpoint_dir=tmp_path, resume=True)
+        train(dataclasses.replace(BASE, epochs=2), SMALL, devices[:4],
+              checkpoints=jdp.Checkpoints(tmp_path, resume=True))
 
 
 # ---- bytes in history.json ----------------------------------------------------------------------

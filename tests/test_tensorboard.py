@@ -81,7 +81,7 @@ def test_config_is_text_and_hparams_and_compare_reads_the_run(run):
 def test_steps_losses_cover_every_step_of_chunked_calls_and_shard_map(options, devices):
     data, seen = jdp.synthetic_dataset(jax.random.key(0), 128, 32), []
     _, history = train(TrainConfig(batch_size=32, lr=0.1, epochs=2, **options), data, devices[:2],
-                       on_steps=lambda first, losses: seen.append((first, np.asarray(losses))))
+                       hooks=jdp.Hooks(on_steps=lambda first, losses: seen.append((first, np.asarray(losses)))))
     assert [first for first, _ in seen] == [1, 5] and all(len(losses) == 4 for _, losses in seen)
     for (_, losses), record in zip(seen, history):
         assert losses.mean() == pytest.approx(record.train_loss, rel=1e-5)  # the epoch's loss: its steps' mean
@@ -98,8 +98,9 @@ def test_a_resumed_run_continues_the_step_axis_in_the_same_directory(tmp_path, d
     data = jdp.synthetic_dataset(jax.random.key(0), 128, 32)
     for epochs in (1, 2):  # epoch 1, then resumed from its checkpoint for epoch 2
         writer = TensorBoardWriter(tmp_path / "board", {"epochs": epochs}, 0.1, 1000)
-        train(TrainConfig(batch_size=32, lr=0.1, epochs=epochs), data, devices[:2], checkpoint_dir=tmp_path / "ckpt",
-              resume=epochs == 2, on_steps=writer.steps, on_epoch=writer.epoch)
+        train(TrainConfig(batch_size=32, lr=0.1, epochs=epochs), data, devices[:2],
+              checkpoints=jdp.Checkpoints(tmp_path / "ckpt", resume=epochs == 2),
+              hooks=jdp.Hooks(on_epoch=writer.epoch, on_steps=writer.steps))
         writer.close()
     scalars = read_scalars(tmp_path / "board")
     assert [s for s, _ in scalars["train/loss"]] == list(range(1, 9))

@@ -13,6 +13,7 @@ import optax
 import pytest
 from reference import LOSS, assert_replicas_identical
 
+import jdp
 from jdp import data
 from jdp.cli.main import main
 from jdp.errors import ConfigError
@@ -277,11 +278,12 @@ def test_a_sharded_run_resumed_from_a_mid_run_checkpoint_ends_bit_identical(tmp_
     """Stopped at step 11 (mid epoch 2; the newest checkpoint is step 9), resumed: the final params, the
     gathered AdamW state and the history equal an uninterrupted run's, bit for bit."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    train(SHARDED, SMALL, devices[:4], checkpoint_dir=whole, checkpoint_every=3)
+    train(SHARDED, SMALL, devices[:4], checkpoints=jdp.Checkpoints(whole, checkpoint_every=3))
     with pytest.raises(Killed):
-        train(SHARDED, SMALL, devices[:4], checkpoint_dir=killed, checkpoint_every=3, progress=killed_after(11))
+        train(SHARDED, SMALL, devices[:4], checkpoints=jdp.Checkpoints(killed, checkpoint_every=3),
+              hooks=jdp.Hooks(progress=killed_after(11)))
     assert checkpointed(killed).step == 9 and checkpointed(killed).info["position"]["batches_done"] == 1
-    train(SHARDED, SMALL, devices[:4], checkpoint_dir=killed, checkpoint_every=3, resume=True)
+    train(SHARDED, SMALL, devices[:4], checkpoints=jdp.Checkpoints(killed, checkpoint_every=3, resume=True))
     a, b = checkpointed(whole), checkpointed(killed)
     assert a.step == b.step == 16
     for x, y in zip(jax.tree.leaves(a.arrays), jax.tree.leaves(b.arrays), strict=True):
@@ -293,9 +295,9 @@ def test_a_sharded_run_resumed_from_a_mid_run_checkpoint_ends_bit_identical(tmp_
 def test_a_sharded_checkpoint_resumes_resharded_on_another_device_count(tmp_path, devices, caplog):
     """The checkpoint holds the state unsliced: 4 devices → 3 re-pads and re-slices it (the same math)."""
     whole, _ = train(SHARDED, SMALL, devices[:4])
-    train(dataclasses.replace(SHARDED, epochs=1), SMALL, devices[:4], checkpoint_dir=tmp_path)
+    train(dataclasses.replace(SHARDED, epochs=1), SMALL, devices[:4], checkpoints=jdp.Checkpoints(tmp_path))
     with caplog.at_level(logging.INFO, logger="jdp"):
-        resumed, _ = train(SHARDED, SMALL, devices[:2], checkpoint_dir=tmp_path, resume=True)
+        resumed, _ = train(SHARDED, SMALL, devices[:2], checkpoints=jdp.Checkpoints(tmp_path, resume=True))
     assert "resuming on 2 devices instead of the checkpoint's 4" in caplog.text
     chex.assert_trees_all_close(resumed, whole, rtol=RTOL, atol=ATOL)
 
@@ -306,9 +308,10 @@ def test_a_sharded_checkpoint_resumes_resharded_on_another_device_count(tmp_path
     ({"shard_optimizer": False}, r"This run has `shard_optimizer=False` but the checkpoint has `shard_optimizer=True`"),
 ])
 def test_resuming_with_another_kind_of_optimizer_state_is_refused_naming_the_flag(change, message, tmp_path, devices):
-    train(dataclasses.replace(SHARDED, epochs=1), SMALL, devices[:2], checkpoint_dir=tmp_path)
+    train(dataclasses.replace(SHARDED, epochs=1), SMALL, devices[:2], checkpoints=jdp.Checkpoints(tmp_path))
     with pytest.raises(ConfigError, match=message):
-        train(dataclasses.replace(SHARDED, **change), SMALL, devices[:2], checkpoint_dir=tmp_path, resume=True)
+        train(dataclasses.replace(SHARDED, **change), SMALL, devices[:2],
+              checkpoints=jdp.Checkpoints(tmp_path, resume=True))
 
 
 # ---- the command line ------------------------------------------------------------------------------

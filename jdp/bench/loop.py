@@ -31,7 +31,7 @@ from jdp.parallel.inflight import repeat_step
 from jdp.parallel.layout import replicate, split_batch
 from jdp.parallel.step import make_train_step
 from jdp.training.config import TrainConfig
-from jdp.training.loop import EpochRecord, train
+from jdp.training.loop import EpochRecord, Hooks, train
 
 TARGET = 1.3  # train / bare, seconds per step
 
@@ -84,7 +84,7 @@ def bench_loop(devices: Sequence[jax.Device], *, batch_size: int = 32, steps: in
             timed("bare_s", lambda s: bare(s, steps))
             timed("windowed_s", lambda s: repeat_step(step, s, x, y, steps))
 
-    train(config, dataset, devices, on_epoch=on_epoch)
+    train(config, dataset, devices, hooks=Hooks(on_epoch=on_epoch))
     best = {name: min(values) for name, values in times.items()}
     return {"model": model.name, "batch_size": batch_size, "steps": steps, "devices": len(devices), "rounds": times,
             "seconds_per_step": best, "train_vs_bare": best["train_s"] / best["bare_s"],

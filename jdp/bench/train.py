@@ -39,7 +39,7 @@ from jdp.parallel.inflight import repeat_step
 from jdp.parallel.layout import replicate, split_batch
 from jdp.parallel.step import make_train_step
 from jdp.runtime.machine_kind import this_kind
-from jdp.training.feeders import make_epoch_runner
+from jdp.training.feeders import CallPlan, make_epoch_runner
 from jdp.training.formulation import read_cache, resolve
 from jdp.training.tally import place_tally, start
 
@@ -124,7 +124,7 @@ def prepare(
     model = precision.mixed(models.get("lenet", impl=formulation), precision_name)
     step = make_train_step(model.loss, optimizer, "psum", devices)
     part = data.Split(split.images[:steps * batch_size], split.labels[:steps * batch_size])
-    run_epoch = make_epoch_runner(step, part, devices, batch_size, steps_per_call=steps_per_call)
+    run_epoch = make_epoch_runner(step, part, devices, batch_size, plan=CallPlan(steps_per_call))
     x, y = split_batch(part.images[:batch_size], part.labels[:batch_size], devices)
     params = lenet.init(jax.random.key(0))
     state = replicate(params, devices), replicate(optimizer.init(params), devices)

@@ -33,10 +33,9 @@ if TYPE_CHECKING:
     import jax
 
     from jdp.data import Dataset
+    from jdp.training.checkpoint import Checkpoints
     from jdp.training.config import TrainConfig
-    from jdp.training.loop import EpochRecord
-    from jdp.training.profile import Profiler
-    from jdp.training.stragglers import Stopwatch
+    from jdp.training.loop import EpochRecord, Hooks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,6 +229,7 @@ def run_train(args: argparse.Namespace) -> int:
     from jdp.runtime.devices import describe
     from jdp.training import checkpoint, formulation
     from jdp.training.config import TrainConfig, payload_bytes
+    from jdp.training.loop import Hooks
     from jdp.training.profile import Profiler, default_window, parse_steps
     from jdp.training.stragglers import Stopwatch, Straggler, format_report
 
@@ -237,7 +237,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     out = check_out_dir(args.out)
-    checkpoint.check_options(args.checkpoint_dir, args.checkpoint_every, args.resume)
+    checkpoints = checkpoint.check_options(args.checkpoint_dir, args.checkpoint_every, args.resume)
     window = None if args.profile_steps is None else parse_steps(args.profile_steps)
     stopwatch = None if args.simulate_straggler is None else Stopwatch(Straggler.parse(args.simulate_straggler))
     devices = setup_devices(args)
@@ -253,7 +253,8 @@ def run_train(args: argparse.Namespace) -> int:
     settings["formulation"] = choice.formulation  # what ran, not "auto"
     if choice.requested != choice.formulation and args.model == "lenet" and jax.process_index() == 0:
         print(f"formulation: {choice.formulation} ({choice.source})", flush=True)
-    history = _train_and_log(args, config, dataset, devices, settings, profiler, stopwatch)
+    history = _train_and_log(args, config, (dataset, devices), settings, checkpoints,
+                             Hooks(profile=profiler, stopwatch=stopwatch))
     stragglers = None if stopwatch is None else stopwatch.report()  # a collective: before process 0 alone writes
     if stragglers is not None and jax.process_index() == 0:
         print(format_report(stragglers), flush=True)
@@ -286,10 +287,10 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_and_log(args: argparse.Namespace, config: "TrainConfig", dataset: "Dataset",
-                   devices: "Sequence[jax.Device]", settings: dict, profiler: "Profiler | None",
-                   stopwatch: "Stopwatch | None") -> "list[EpochRecord]":
-    """`train` with what the flags ask for around it: progress bars, epoch lines, TensorBoard scalars.
+def _train_and_log(args: argparse.Namespace, config: "TrainConfig", on: "tuple[Dataset, Sequence[jax.Device]]",
+                   settings: dict, checkpoints: "Checkpoints | None", hooks: "Hooks") -> "list[EpochRecord]":
+    """`train` on (dataset, devices) with what the flags ask for around it: progress bars, epoch lines,
+    TensorBoard scalars, beside the `hooks` given (profile, stopwatch).
 
     A lost process ends this one with a line that names this command's flags, not `train`'s arguments.
     """
@@ -298,6 +299,7 @@ def _train_and_log(args: argparse.Namespace, config: "TrainConfig", dataset: "Da
 
     from jdp.runtime.faults import end_process
     from jdp.training.config import learning_rate, payload_bytes
+    from jdp.training.guards import Guards
     from jdp.training.loop import train
 
     def progress(batches, total):
@@ -322,10 +324,9 @@ def _train_and_log(args: argparse.Namespace, config: "TrainConfig", dataset: "Da
         end_process(as_flags(line, option_flags(build_parser(), args)))
 
     try:
-        _, history = train(config, dataset, devices, on_epoch=on_epoch, progress=progress, on_steps=on_steps,
-                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                           resume=args.resume, check_replicas=args.check_replicas, profile=profiler,
-                           stopwatch=stopwatch, collective_timeout=args.collective_timeout, on_lost=on_lost)
+        hooks = dataclasses.replace(hooks, on_epoch=on_epoch, progress=progress, on_steps=on_steps)
+        guards = Guards(args.check_replicas, args.collective_timeout, on_lost)
+        _, history = train(config, *on, checkpoints=checkpoints, hooks=hooks, guards=guards)
     except ProcessLostError as e:
         on_lost(str(e))
     finally:

@@ -16,7 +16,6 @@ that per-device work (`_OnDevice`) and differ in what follows the gradients:
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -24,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdp.errors import ConfigError, check_positive
+from jdp.errors import ConfigError, check_positive, moved_arguments
 from jdp.models import Model
 from jdp.parallel import allreduce as allreduce_lib
 from jdp.parallel.buckets import plan
@@ -42,23 +41,11 @@ LossFn = Callable[[PyTree, jax.Array, jax.Array], jax.Array]
 TrainStep = Callable[[PyTree, PyTree, jax.Array, jax.Array], tuple[PyTree, PyTree, jax.Array]]
 Segment = Callable[[str, Callable], Callable]
 
-_MOVED = {
+_moved_arguments = moved_arguments({
     "stateful": "pass the `jdp.Model` itself as the loss: its `stateful` says how its loss is called",
     "shard_optimizer": "`jdp.make_sharded_step` builds the sharded (ZeRO) step",
     "sync": "`jdp.make_local_step(loss, opt, devices)`, `opt` a local `jdp.OptState`, builds a local mode's step",
-}
-
-
-def _moved_arguments(builder: Callable) -> Callable:
-    """Names the new way of an argument the step builders no longer take (see docs/api.md)."""
-
-    @functools.wraps(builder)
-    def checked(*args, **kwargs):
-        for name in kwargs.keys() & _MOVED.keys():
-            raise TypeError(f"`{builder.__name__}({name}=...)` is gone: {_MOVED[name]} (docs/api.md).")
-        return builder(*args, **kwargs)
-
-    return checked
+})
 
 
 @dataclasses.dataclass(frozen=True)

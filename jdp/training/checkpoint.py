@@ -11,6 +11,7 @@ other files is refused (so nothing of the user's is overwritten or pruned), and 
 already holds checkpoints is continued only with `resume=True` (`--resume`).
 """
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -80,25 +81,50 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     return sorted((directory / n for n in names), key=lambda p: p.name, reverse=True)
 
 
-def check_options(directory: str | os.PathLike | None, every: int | None, resume: bool) -> None:
-    """Fails early on checkpoint options a run cannot use (before any data is loaded).
+@dataclasses.dataclass(frozen=True)
+class Checkpoints:
+    """Where `jdp.train` saves its checkpoints, how often, and whether it continues from the newest.
+
+    Attributes:
+      checkpoint_dir: the directory (one run's checkpoints, see the module docstring).
+      checkpoint_every: save every this many steps; None: at the end of every epoch.
+      resume: continue from the newest intact checkpoint in `checkpoint_dir`, if any; without it, a
+        directory that already holds checkpoints is refused (`train` checks the directory when it starts).
+    """
+
+    checkpoint_dir: str | os.PathLike
+    checkpoint_every: int | None = None
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every is not None:
+            check_positive("checkpoint_every", self.checkpoint_every, "number of steps")
+
+
+def check_options(directory: str | os.PathLike | None, every: int | None, resume: bool) -> Checkpoints | None:
+    """The `Checkpoints` of separate options (the CLI's flags), checked early (before any data is loaded).
 
     Args:
-      directory: `checkpoint_dir` of `jdp.train`, or None for no checkpoints.
+      directory: `checkpoint_dir`, or None for no checkpoints.
       every: `checkpoint_every` (steps between saves), or None for the end of every epoch.
       resume: `resume`.
 
+    Returns:
+      The checkpoints, or None without a directory.
+
     Raises:
-      ConfigError: naming the argument (`jdp.train`'s) that is wrong.
+      ConfigError: naming the argument that is wrong.
     """
-    if every is not None:
-        check_positive("checkpoint_every", every, "number of steps")
     if directory is None:
+        if every is not None:
+            check_positive("checkpoint_every", every, "number of steps")
         if resume or every is not None:
             name = "resume=True" if resume else "checkpoint_every"
             raise ConfigError(f"`{name}` needs `checkpoint_dir=DIR`: say where the checkpoints are.")
-        return
+        return None
+    checkpoints = Checkpoints(directory, every, resume)
     check_directory(directory, resume=resume)
+    return checkpoints
 
 
 def check_directory(directory: str | os.PathLike, *, resume: bool) -> None:

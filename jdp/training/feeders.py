@@ -89,18 +89,25 @@ def fits_on_devices(split: Split, devices: Sequence[jax.Device], fraction: float
     return limit is not None and per_device <= fraction * limit
 
 
-def make_epoch_runner(
-    step: TrainStep,
-    split: Split,
-    devices: Sequence[jax.Device],
-    batch_size: int,
-    backend: Backend = "pmap",
-    *,
-    steps_per_call: int = 1,
-    traceable: bool = True,
-    resident: bool | None = None,
-    params_kind: Kinds = "replicated",
-) -> EpochRunner:
+class CallPlan(NamedTuple):
+    """How an epoch's steps become compiled calls, and where their batches come from.
+
+    Attributes:
+      steps_per_call: steps per compiled call; > 1 needs `traceable`, `pmap` and one process.
+      traceable: whether the step can be traced inside `jax.jit` (a collective allreduce strategy);
+        otherwise every step is its own call.
+      resident: keep the training set on the devices (`pmap` in one process only); None: if it
+        `fits_on_devices` there, else copy batches from the host.
+    """
+
+    steps_per_call: int = 1
+    traceable: bool = True
+    resident: bool | None = None
+
+
+def make_epoch_runner(step: TrainStep, split: Split, devices: Sequence[jax.Device], batch_size: int,
+                      backend: Backend = "pmap", *, plan: CallPlan = CallPlan(),
+                      params_kind: Kinds = "replicated") -> EpochRunner:
     """Builds `run_epoch(state, key, progress)`, which trains one epoch over `split`.
 
     Args:
@@ -109,11 +116,7 @@ def make_epoch_runner(
       devices: the devices of the step, in its order (of one process or several).
       batch_size: the global batch B, a multiple of len(devices).
       backend: the step's layout, "pmap" or "shard_map".
-      steps_per_call: steps per compiled call; > 1 needs `traceable`, `pmap` and one process.
-      traceable: whether `step` can be traced inside `jax.jit` (a collective allreduce strategy);
-        otherwise every step is its own call.
-      resident: keep the training set on the devices (`pmap` in one process only); None: if it
-        `fits_on_devices` there, else copy batches from the host.
+      plan: how the steps become calls (`CallPlan`: steps per call, traceable, resident data).
       params_kind: the layout kind of the params the step returns ("per_device" for a local sync mode).
 
     Returns:
@@ -127,6 +130,7 @@ def make_epoch_runner(
     Raises:
       ConfigError: for settings the feeders cannot run (named by their flags).
     """
+    steps_per_call, traceable, resident = plan
     check_positive("steps_per_call", steps_per_call)
     if steps_per_call > 1 and not traceable:
         raise ConfigError(

@@ -12,6 +12,7 @@ Both work on whatever layout the step keeps its arrays in (a leading device axis
 replicated `P()` under `shard_map`): they only look at each array's addressable shards.
 """
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -22,9 +23,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdp.errors import TrainingError
+from jdp.errors import ConfigError, TrainingError, check_positive
+from jdp.runtime import faults
 from jdp.training.tally import Tally, read_local
 from jdp.types import PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class Guards:
+    """The checks of a run beyond its non-finite values (always on): its replicas and its processes.
+
+    Attributes:
+      check_replicas: every this many steps, stop unless all replicas are bit-identical; None: never.
+      collective_timeout: with several processes, give the job up when no step finished for this
+        many seconds (None: automatic, see `jdp.runtime.faults.collective_limit`).
+      on_lost: with several processes, called with the line naming a stalled process; it must end
+        this process, whose main thread waits inside a collective (default: print it, exit 75).
+    """
+
+    check_replicas: int | None = None
+    collective_timeout: float | None = None
+    on_lost: Callable[[str], None] = faults.end_process
+
+    def __post_init__(self) -> None:
+        if self.check_replicas is not None:
+            check_positive("check_replicas", self.check_replicas, "number of steps")
+        if self.collective_timeout is not None and not self.collective_timeout > 0:
+            raise ConfigError(f"`collective_timeout` must be a positive number of seconds, got "
+                              f"{self.collective_timeout}.")
 
 
 def leaf_names(tree: PyTree) -> list[str]:

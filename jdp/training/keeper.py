@@ -1,7 +1,7 @@
 """The run keeper: where a training run is, its guards after every call, and its checkpoints."""
 
 import logging
-import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -10,7 +10,7 @@ import numpy as np
 from jdp.errors import ConfigError
 from jdp.runtime.faults import JobWatch
 from jdp.training import tally
-from jdp.training.checkpoint import path_for, restore_latest, save
+from jdp.training.checkpoint import Checkpoints, path_for, restore_latest, save
 from jdp.training.resume import check_resumable, check_same_state
 from jdp.training.tally import Tally
 from jdp.types import PyTree
@@ -32,23 +32,23 @@ class Keeper:
     and only process 0 writes it.
 
     Args:
-      directory: `checkpoint_dir`, or None to save nothing.
-      every: `checkpoint_every`, or None.
-      run: `describe_run` of this run (stored with each checkpoint), or None without a directory.
+      checkpoints: where and how often to save (`jdp.Checkpoints`), or None to save nothing.
+      run: `describe_run` of this run (stored with each checkpoint), or None without checkpoints.
       steps_per_epoch: batches per epoch.
       watch: the guards to run after every call (see `jdp.training.guards.Watch`).
-      host_copy: replicated device arrays -> this process's host copy (e.g. `jdp.unreplicate`).
+      host_copy: (params, opt_state) on the devices -> their host forms (e.g. `jdp.unreplicate` and
+        `jdp.OptState.to_host`).
       data_key: the key data of the run's data-order PRNG key (saved with every checkpoint).
-      opt_host_copy: the optimizer state on the devices -> its host form (`jdp.OptState.to_host`).
       job: the multi-process job's watch (`jdp.runtime.faults.JobWatch`), told of every step and checkpoint.
     """
 
-    def __init__(self, directory: str | os.PathLike | None, every: int | None, run: dict[str, Any] | None,
-                 steps_per_epoch: int, watch: Any, host_copy: Any, data_key: np.ndarray,
-                 opt_host_copy: Any, job: JobWatch) -> None:
-        self._opt_host_copy, self.job = opt_host_copy, job
-        self.directory, self.every, self.run, self.data_key = directory, every, run, data_key
-        self.steps_per_epoch, self.watch, self._host_copy = steps_per_epoch, watch, host_copy
+    def __init__(self, checkpoints: Checkpoints | None, run: dict[str, Any] | None, steps_per_epoch: int,
+                 watch: Any, host_copy: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]], data_key: np.ndarray,
+                 job: JobWatch) -> None:
+        self.directory = None if checkpoints is None else checkpoints.checkpoint_dir
+        self.every = None if checkpoints is None else checkpoints.checkpoint_every
+        self.run, self.steps_per_epoch, self.watch, self.data_key, self.job = run, steps_per_epoch, watch, data_key, job
+        self._host_copy = host_copy
         self.step, self.epoch, self.batches_done = 0, 1, 0
         self.history: list[dict[str, Any]] = []
         self._resumed_loss: list[float] | float = 0.0  # the epoch's loss so far when resumed: per device, or a sum
@@ -130,8 +130,8 @@ class Keeper:
             return
         params, opt_state = state
         self.watch.flush(params)  # never save a non-finite value
-        arrays = {"params": self._host_copy(params), "opt_state": self._opt_host_copy(opt_state),
-                  "data_key": self.data_key}
+        params, opt_state = self._host_copy(params, opt_state)
+        arrays = {"params": params, "opt_state": opt_state, "data_key": self.data_key}
         losses = self.device_losses()
         info = {
             "position": {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,

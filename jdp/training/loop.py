@@ -2,11 +2,10 @@
 
 `train` is the lesson's `train(num_gpus, batch_size, lr)`: it times only the training loop of each
 epoch, evaluates test accuracy after each, and returns the history. Printing, progress bars and
-files are the caller's (the CLI's) business, passed in as callbacks.
+files are the caller's (the CLI's) business, passed in as `Hooks`.
 """
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -15,17 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdp import models
-from jdp.data import Dataset
-from jdp.errors import ConfigError, JdpError, check_positive
+from jdp.data import Dataset, Split
+from jdp.errors import ConfigError, JdpError, moved_arguments
 from jdp.parallel.layout import copies, fetch, map_over_devices, place, to_host
 from jdp.parallel.step import TrainStep
 from jdp.parallel.sync import make_consensus, make_sync
 from jdp.runtime import faults
 from jdp.training import checkpoint, formulation, guards
+from jdp.training.checkpoint import Checkpoints
 from jdp.training.build import BuiltRun, build_run
 from jdp.training.config import TrainConfig
 from jdp.training.evaluate import make_evaluator
-from jdp.training.feeders import make_epoch_runner
+from jdp.training.feeders import CallPlan, make_epoch_runner
+from jdp.training.guards import Guards
 from jdp.training.keeper import Keeper
 from jdp.training.profile import Profiler, check_window
 from jdp.training.resume import describe_run
@@ -43,47 +44,68 @@ class EpochRecord:
     syncs: int | None = None  # allreduces of the model since the run began: every step, or a local mode's syncs
 
 
-def train(
-    config: TrainConfig,
-    dataset: Dataset,
-    devices: Sequence[jax.Device],
-    *,
-    on_epoch: Callable[[EpochRecord], None] = lambda record: None,
-    on_steps: Callable[[int, np.ndarray], None] | None = None,
-    progress: Callable[[Iterable, int], Iterable] = lambda batches, total: batches,
-    checkpoint_dir: str | os.PathLike | None = None,
-    checkpoint_every: int | None = None,
-    resume: bool = False,
-    check_replicas: int | None = None,
-    profile: Profiler | None = None,
-    stopwatch: Stopwatch | None = None,
-    collective_timeout: float | None = None,
-    on_lost: Callable[[str], None] = faults.end_process,
-) -> tuple[PyTree, list[EpochRecord]]:
-    """Trains `config.model` (the lesson's LeNet by default, or your own `Model`) data-parallel on `devices`.
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """What a caller sees of a run as it goes, and the instruments it runs with; side effects are theirs.
 
-    Args:
-      config: hyper-parameters and strategy (checked when it was made). `formulation="auto"` is settled
-        here (`jdp.training.formulation.settle`): the checkpoint's formulation when resuming, else this
-        machine kind's fastest measured one; the checkpoints record the name used.
-      dataset: host arrays; batches are split over the devices each step.
-      devices: where the replicas live.
+    Attributes:
       on_epoch: called with each epoch's record as soon as it is known.
       on_steps: called before `on_epoch` with the number (from 1) of the epoch's first step run here
         and each such step's mean per-image loss (e.g. `jdp.training.tensorboard.TensorBoardWriter.steps`).
         With several processes, pass it on every process: the losses are gathered from all of them.
       progress: wraps each epoch's batch iterator (e.g. a progress bar); gets the step count.
-      checkpoint_dir: save checkpoints here (see `jdp.training.checkpoint`); None: none.
-      checkpoint_every: save every this many steps; None: at the end of every epoch.
-      resume: continue from the newest intact checkpoint in `checkpoint_dir`, if any.
-      check_replicas: every this many steps, stop unless all replicas are bit-identical.
       profile: traces its steps and measures their breakdown (`profile.breakdown` after the run).
       stopwatch: delays the straggler's process before its steps and times every step and sync to
         completion (`stopwatch.report()` after the run; see `jdp.training.stragglers`).
-      collective_timeout: with several processes, give the job up when no step finished for this
-        many seconds (None: automatic, see `jdp.runtime.faults.collective_limit`).
-      on_lost: with several processes, called with the line naming a stalled process; it must end
-        this process, whose main thread waits inside a collective (default: print it, exit 75).
+    """
+
+    on_epoch: Callable[[EpochRecord], None] = lambda record: None
+    on_steps: Callable[[int, np.ndarray], None] | None = None
+    progress: Callable[[Iterable, int], Iterable] = lambda batches, total: batches
+    profile: Profiler | None = None
+    stopwatch: Stopwatch | None = None
+
+    def check(self, config: TrainConfig, steps: int) -> None:
+        """Raises ConfigError for a profile window beyond the run's `steps`, or a stopwatch it cannot run with."""
+        if self.profile is not None:
+            check_window(self.profile.first, self.profile.last, steps)
+        if self.stopwatch is not None:
+            self.stopwatch.straggler.check(jax.process_count())
+            if config.steps_per_call != 1:
+                raise ConfigError(f"`steps_per_call={config.steps_per_call}` runs several steps in one call; a "
+                                  "simulated straggler delays and times each step: use `steps_per_call=1`.")
+
+    def after_call(self, keeper: Keeper) -> Callable[[int, tuple], None]:
+        """What runs after each compiled call: the keeper's guards and checkpoints, then the profile's marks."""
+        if self.profile is None:
+            return keeper.after_call
+
+        def after_call(steps, carry):
+            keeper.after_call(steps, carry)
+            self.profile.at(keeper.step, carry[:2])
+
+        return after_call
+
+
+@moved_arguments({name: f"`{group}={type_name}({name}=...)`" for group, type_name, names in (
+    ("checkpoints", "jdp.Checkpoints", ("checkpoint_dir", "checkpoint_every", "resume")),
+    ("hooks", "jdp.Hooks", ("on_epoch", "on_steps", "progress", "profile", "stopwatch")),
+    ("guards", "jdp.Guards", ("check_replicas", "collective_timeout", "on_lost"))) for name in names})
+def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], *,
+          checkpoints: Checkpoints | None = None, hooks: Hooks = Hooks(),
+          guards: Guards = Guards()) -> tuple[PyTree, list[EpochRecord]]:
+    """Trains `config.model` (the lesson's LeNet by default, or your own `Model`) data-parallel on `devices`.
+
+    Args:
+      config: hyper-parameters and components (checked when it was made). `formulation="auto"` is settled
+        here (`jdp.training.formulation.settle`): the checkpoint's formulation when resuming, else this
+        machine kind's fastest measured one; the checkpoints record the name used.
+      dataset: host arrays; batches are split over the devices each step.
+      devices: where the replicas live.
+      checkpoints: where to save checkpoints, how often, whether to resume (`jdp.Checkpoints`); None: none.
+      hooks: what the caller sees as the run goes (`jdp.Hooks`: each epoch's record, each step's loss,
+        a progress bar, a profile, a stopwatch).
+      guards: the replica check and the multi-process watch (`jdp.Guards`).
 
     Returns:
       (params, history): the first replica's params and one record per epoch (with a resumed
@@ -95,84 +117,38 @@ def train(
       ProcessLostError: when a collective failed because another process of the job died.
     """
     config.check_fits(len(dataset.train.labels), len(devices))
-    checkpoint.check_options(checkpoint_dir, checkpoint_every, resume)
-    config, _ = formulation.settle(config, devices, checkpoint_dir, resume)  # "auto": this machine's, or the checkpoint's
-    if check_replicas is not None:
-        check_positive("check_replicas", check_replicas, "number of steps")
-    if collective_timeout is not None and not collective_timeout > 0:
-        raise ConfigError(f"`collective_timeout` must be a positive number of seconds, got {collective_timeout}.")
-    run = build_run(config, devices)
-    model, sync, opt = run.model, run.sync, run.opt
-    init_key, data_key = jax.random.split(jax.random.key(config.seed))
-    params = model.init(init_key)
-    steps_per_epoch = len(dataset.train.labels) // config.batch_size
+    if checkpoints is not None:
+        checkpoint.check_directory(checkpoints.checkpoint_dir, resume=checkpoints.resume)
+    resumed_from = None if checkpoints is None or not checkpoints.resume else checkpoints.checkpoint_dir
+    config, _ = formulation.settle(config, devices, resumed_from, resumed_from is not None)
+    run, steps_per_epoch = build_run(config, devices), len(dataset.train.labels) // config.batch_size
     last_step = steps_per_epoch * config.epochs
-    if profile is not None:
-        check_window(profile.first, profile.last, last_step)
-    if stopwatch is not None:
-        stopwatch.straggler.check(jax.process_count())
-        if config.steps_per_call != 1:
-            raise ConfigError(f"`steps_per_call={config.steps_per_call}` runs several steps in one call; a simulated "
-                              "straggler delays and times each step: use `steps_per_call=1`.")
-    job = faults.JobWatch(collective_timeout, on_lost)  # a no-op with one process
-    keeper = Keeper(
-        checkpoint_dir, checkpoint_every,
-        describe_run(config.to_dict(), dataset, len(devices),
-                     per_device_state=opt.per_device_strategy_state or opt.local)
-        if checkpoint_dir is not None else None,
-        steps_per_epoch, guards.Watch(params, check_replicas, same=_same_on_every_device(model),
-                                      same_opt_state=opt.replicated_part,
-                                      comparable=lambda step: not sync.local or sync.due(step, last_step)),
-        lambda tree: fetch(tree, sync.params_kind, config.backend), jax.random.key_data(data_key),
-        opt_host_copy=lambda state: opt.to_host(state, config.backend), job=job,
-    )
-    arrays = {"params": copies(params, len(devices)) if sync.local else params,  # local: each device's own
-              "opt_state": opt.init(models.trainable(model, params), jax.random.fold_in(init_key, 1)),
-              "data_key": keeper.data_key}
-    if resume:
-        arrays = keeper.resume(arrays, config.epochs)
-    data_key = jax.random.wrap_key_data(arrays["data_key"])
-    state = (place(arrays["params"], sync.params_kind, devices, config.backend),
-             opt.place(arrays["opt_state"], devices, config.backend))
-    step, model_of = _wired_step(run, keeper, last_step, profile, stopwatch)
-    evaluate = make_evaluator(model.apply, devices, on_all_devices=config.eval_on == "all", backend=config.backend)
-    if model.per_replica_state:  # one set of statistics before evaluating and saving (see jdp.models)
-        average = map_over_devices(lambda variables: (models.average_state(variables),), devices, config.backend,
-                                   ("per_device",), ("per_device",), donate=(0,))
+    hooks.check(config, last_step)
+    job = faults.JobWatch(guards.collective_timeout, guards.on_lost)  # a no-op with one process
+    keeper, state, data_key = _started(run, dataset, checkpoints, guards.check_replicas, job)
+    step, model_of = _wired_step(run, keeper, last_step, hooks.profile, hooks.stopwatch)
+    traceable = run.strategy.where == "inside" and not run.sync.local and hooks.stopwatch is None
     run_epoch = make_epoch_runner(step, dataset.train, devices, config.batch_size, config.backend,
-                                  steps_per_call=config.steps_per_call, params_kind=sync.params_kind,
-                                  traceable=run.strategy.where == "inside" and not sync.local and stopwatch is None)
-    after_call = keeper.after_call
-    if profile is not None:
-        profile.at(keeper.step, state)
-
-        def after_call(steps, carry):
-            keeper.after_call(steps, carry)
-            profile.at(keeper.step, carry[:2])
-
-    leaves = len(jax.tree.leaves(params))
+                                  plan=CallPlan(config.steps_per_call, traceable), params_kind=run.sync.params_kind)
+    evaluate, after_call = _epoch_end(run), hooks.after_call(keeper)
+    if hooks.profile is not None:
+        hooks.profile.at(keeper.step, state)
+    leaves = len(jax.tree.leaves(state[0]))
     try:
         for epoch in range(keeper.epoch, config.epochs + 1):
             tally = place_tally(keeper.start_epoch(len(devices), leaves), devices, config.backend)
             start = time.perf_counter()
-            (*state, _), losses = run_epoch((*state, tally), jax.random.fold_in(data_key, epoch), progress,
+            (*state, _), losses = run_epoch((*state, tally), jax.random.fold_in(data_key, epoch), hooks.progress,
                                             start=keeper.batches_done, after_call=after_call)
             seconds = time.perf_counter() - start
-            state = tuple(state)
-            if on_steps is not None:
+            if hooks.on_steps is not None:
                 per_step = step_losses(losses)
-                on_steps(keeper.step - len(per_step) + 1, per_step / config.batch_size)
-            if model.per_replica_state:
-                state = (average(state[0])[0], state[1])
-            record = EpochRecord(
-                epoch=epoch,
-                train_loss=float(keeper.epoch_loss()) / (steps_per_epoch * config.batch_size),
-                test_acc=evaluate(model_of(state), dataset.test.images, dataset.test.labels),
-                seconds=seconds,
-                syncs=sync.syncs(keeper.step, last_step),
-            )
+                hooks.on_steps(keeper.step - len(per_step) + 1, per_step / config.batch_size)
+            state, test_acc = evaluate(tuple(state), model_of, dataset.test)
+            record = EpochRecord(epoch, train_loss=float(keeper.epoch_loss()) / (steps_per_epoch * config.batch_size),
+                                 test_acc=test_acc, seconds=seconds, syncs=run.sync.syncs(keeper.step, last_step))
             keeper.end_epoch(state, dataclasses.asdict(record), last=epoch == config.epochs)
-            on_epoch(record)
+            hooks.on_epoch(record)
         final = fetch(model_of(state), "replicated", config.backend)  # a local run ends with a sync: one model
         return final, [EpochRecord(**r) for r in keeper.history]
     except (RuntimeError, ValueError) as e:  # JaxRuntimeError, or ValueError from process_allgather
@@ -182,6 +158,49 @@ def train(
     finally:
         job.close()
 
+
+def _started(run: BuiltRun, dataset: Dataset, checkpoints: Checkpoints | None, check_replicas: int | None,
+             job: faults.JobWatch) -> tuple[Keeper, tuple[PyTree, PyTree], jax.Array]:
+    """The run's keeper, its (params, opt_state) placed on the devices and its data-order key: from the
+    seed, or from the newest checkpoint when resuming."""
+    config, model, sync, opt, k = run.config, run.model, run.sync, run.opt, len(run.devices)
+    init_key, data_key = jax.random.split(jax.random.key(config.seed))
+    params = model.init(init_key)
+    last_step = len(dataset.train.labels) // config.batch_size * config.epochs
+    watch = guards.Watch(params, check_replicas, same=_same_on_every_device(model), same_opt_state=opt.replicated_part,
+                         comparable=lambda step: not sync.local or sync.due(step, last_step))
+    described = None if checkpoints is None else describe_run(
+        config.to_dict(), dataset, k, per_device_state=opt.per_device_strategy_state or opt.local)
+    keeper = Keeper(checkpoints, described, len(dataset.train.labels) // config.batch_size, watch,
+                    lambda params, opt_state: (fetch(params, sync.params_kind, config.backend),
+                                               opt.to_host(opt_state, config.backend)),
+                    jax.random.key_data(data_key), job)
+    arrays = {"params": copies(params, k) if sync.local else params,  # local: each device's own
+              "opt_state": opt.init(models.trainable(model, params), jax.random.fold_in(init_key, 1)),
+              "data_key": keeper.data_key}
+    if checkpoints is not None and checkpoints.resume:
+        arrays = keeper.resume(arrays, config.epochs)
+    state = (place(arrays["params"], sync.params_kind, run.devices, config.backend),
+             opt.place(arrays["opt_state"], run.devices, config.backend))
+    return keeper, state, jax.random.wrap_key_data(arrays["data_key"])
+
+
+def _epoch_end(run: BuiltRun) -> Callable[[tuple[PyTree, PyTree], Callable, Split], tuple[tuple, float]]:
+    """`evaluate(state, model_of, test) -> (state, test accuracy)` after each epoch: per-replica statistics
+    averaged first (one set before evaluating and saving, see `jdp.models`), then the one model evaluated."""
+    config, model = run.config, run.model
+    accuracy = make_evaluator(model.apply, run.devices, on_all_devices=config.eval_on == "all",
+                              backend=config.backend)
+    if model.per_replica_state:
+        average = map_over_devices(lambda variables: (models.average_state(variables),), run.devices,
+                                   config.backend, ("per_device",), ("per_device",), donate=(0,))
+
+    def evaluate(state, model_of, test):
+        if model.per_replica_state:
+            state = (average(state[0])[0], state[1])
+        return state, accuracy(model_of(state), test.images, test.labels)
+
+    return evaluate
 
 def _wired_step(run: BuiltRun, keeper: Keeper, last_step: int, profile: Profiler | None,
                 stopwatch: Stopwatch | None) -> tuple[TrainStep, Callable[[tuple[PyTree, PyTree]], PyTree]]:
