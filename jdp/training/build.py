@@ -1,7 +1,7 @@
 """A config built for its devices, once: the model, optimizer, strategy, sync, state layout and step.
 
-`train`, `jdp bench memory` and whoever wants a run's pieces without its loop call `build_run`;
-nothing else turns a `TrainConfig`'s names into components.
+`train` (and whoever wants a run's pieces without its loop) calls `build_run`. The components come
+from `TrainConfig`'s `build_*` methods, which its own checks also use; `build_run` composes them once.
 """
 
 import dataclasses
