@@ -78,6 +78,26 @@ def test_train_cli_prints_the_breakdown(tmp_path, capsys):
     assert "https://ui.perfetto.dev" in out and f"tensorboard --logdir {tmp_path}" in out
 
 
+def test_each_process_of_a_job_traces_into_its_own_folder(tmp_path):
+    assert profile.trace_directory(tmp_path, 0, 1) == tmp_path
+    assert [profile.trace_directory(tmp_path, i, 2) for i in range(2)] == [tmp_path / "process-0",
+                                                                           tmp_path / "process-1"]
+
+
+@pytest.mark.slow
+def test_a_launched_job_profiles_every_process(tmp_path):
+    """Two processes tracing into one folder wrote over each other's trace files, and reading one crashed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "jdp", "launch", "--num-processes", "2", "--cpu-devices-per-process", "1",
+         "--timeout", "300", "--", "jdp", "train", "--backend", "shard_map", "--dataset", "synthetic",
+         "--epochs", "1", "--no-progress", "--profile", str(tmp_path), "--profile-steps", "2:4"],
+        capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for i in range(2):
+        assert f"[p{i}] profile of steps 2-4: " in done.stdout
+        assert len(list((tmp_path / f"process-{i}").glob("plugins/profile/*/perfetto_trace.json.gz"))) == 1
+
+
 def test_the_default_window_fits_any_run():
     assert profile.default_window(100) == (3, 12)
     assert profile.default_window(8) == (3, 8)  # `jdp train --dataset synthetic --epochs 1`

@@ -230,7 +230,7 @@ def run_train(args: argparse.Namespace) -> int:
     from jdp.training import checkpoint, formulation
     from jdp.training.config import TrainConfig, payload_bytes
     from jdp.training.loop import Hooks
-    from jdp.training.profile import Profiler, default_window, parse_steps
+    from jdp.training.profile import Profiler, default_window, parse_steps, trace_directory
     from jdp.training.stragglers import Stopwatch, Straggler, format_report
 
     load_plugins(args.plugin)
@@ -243,11 +243,11 @@ def run_train(args: argparse.Namespace) -> int:
     devices = setup_devices(args)
     dataset = data.load(args.dataset, args.data_dir, seed=args.seed)
     first, last = window or default_window(len(dataset.train.labels) // config.batch_size * config.epochs)
-    profiler = None if args.profile is None else Profiler(args.profile, first, last, len(devices),
-                                                          config.strategy().where)
-
     import jax
 
+    profiler = None if args.profile is None else Profiler(
+        trace_directory(args.profile, jax.process_index(), jax.process_count()), first, last,
+        sum(d.process_index == jax.process_index() for d in devices), config.strategy().where)
     config, choice = formulation.settle(config, devices, args.checkpoint_dir, args.resume)
     settings = {k: v for k, v in vars(args).items() if k not in ("run", "command")}  # as history.json's config
     settings["formulation"] = choice.formulation  # what ran, not "auto"

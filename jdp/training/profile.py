@@ -118,6 +118,12 @@ def op_seconds(trace: str | Path) -> dict[str, float]:
     return seconds
 
 
+def trace_directory(root: str | Path, process_index: int, process_count: int) -> Path:
+    """Where one process writes its trace: `root` itself, or `root/process-I` when several processes trace
+    (each traces its own devices; sharing one folder, they wrote over each other's files)."""
+    return Path(root) if process_count == 1 else Path(root) / f"process-{process_index}"
+
+
 class Profiler:
     """Traces steps `first`..`last` of a run into `directory` and computes their `Breakdown`.
 
@@ -127,7 +133,7 @@ class Profiler:
     Args:
       directory: where `jax.profiler` writes the trace.
       first, last: the steps to trace, counted from 1 over the run.
-      device_count: k, to give the per-device share of the ops' time.
+      device_count: this process's devices, whose ops its trace records: to give the per-device share.
       where: the strategy's "inside" (breakdown from the trace) or "outside" (from timed segments).
     """
 
