@@ -3,7 +3,8 @@
 Run under `jdp launch --hosts 2 --nic RATE -- python scripts/exchange_probe.py BYTES` (as root; the
 launcher appends the job flags). Each process holds BYTES of float32; printed by process 0, the mean of 5
 calls after a warm-up: a one-way `ppermute` (host 0 → host 1), a swap (both ways in one `ppermute`) and
-`psum`. On a full-duplex link a swap takes as long as a one-way send; measured, it takes twice as long.
+`psum`, then a swap that starts right after a small psum (both processes enter it together) and one cut into
+four `ppermute`s. On a full-duplex link a swap takes as long as a one-way send; measured, it takes twice as long.
 """
 
 import argparse
@@ -31,9 +32,17 @@ def main() -> None:
 
     k = len(devices)
     x = jax.jit(lambda: jnp.ones((k, args.bytes // 4)), out_shardings=sharded(devices))()
+    def synced(row):  # both processes leave a small psum together, then start the swap
+        row, token = lax.optimization_barrier((row, jnp.zeros((1,), row.dtype)))
+        row, _ = lax.optimization_barrier((row, lax.psum(token, AXIS)))
+        return row
+
     exchanges = {"one way": lambda row: (lax.ppermute(row, AXIS, [(0, 1)]),),
                  "swap": lambda row: (lax.ppermute(row, AXIS, [(0, 1), (1, 0)]),),
-                 "psum": lambda row: (lax.psum(row, AXIS),)}
+                 "psum": lambda row: (lax.psum(row, AXIS),),
+                 "swap after a psum": lambda row: (lax.ppermute(synced(row), AXIS, [(0, 1), (1, 0)]),),
+                 "swap as 4 quarters": lambda row: (jnp.concatenate(
+                     [lax.ppermute(q, AXIS, [(0, 1), (1, 0)]) for q in jnp.split(row, 4)]),)}
     for name, exchange in exchanges.items():
         run = map_over_devices(exchange, devices, "shard_map", ("per_device",), ("per_device",))
         jax.block_until_ready(run(x))
