@@ -173,7 +173,7 @@ def _mapped(fn: Any, devices: tuple[jax.Device, ...]) -> Any:
 def _run(strategy: Allreduce, fn: Any, tree: PyTree, devices: tuple[jax.Device, ...]) -> PyTree:
     """`fn` (the strategy's sum or one of its halves) on host leaves (k, ...), row i placed on device i."""
     placed = jax.tree.map(lambda leaf: jax.device_put(leaf, sharded(devices)), tree)
-    return _mapped(fn, devices)(placed) if strategy.where == "inside" else fn(placed)
+    return _mapped(fn, devices)(placed) if strategy.inside else fn(placed)
 
 
 def _apply(strategy: Allreduce, tree: PyTree, devices: tuple[jax.Device, ...]) -> PyTree:
@@ -208,7 +208,7 @@ def _raised(strategy: Allreduce, tree: PyTree, devices: tuple[jax.Device, ...], 
             break
     else:
         where = f"`{strategy.name}` on {_n(len(devices))}, on the whole tree (every leaf alone passes)"
-    calls = "fn(tree, axis_name) under `jax.pmap`" if strategy.where == "inside" else "fn(tree) on (k, ...) arrays"
+    calls = "fn(tree, axis_name) under `jax.pmap`" if strategy.inside else "fn(tree) on (k, ...) arrays"
     hint = f" (an \"{strategy.where}\" strategy is called as {calls})" if isinstance(error, TypeError) else ""
     return f"{where}: raised {type(error).__name__}: {error}{hint}"
 

@@ -176,3 +176,24 @@ def test_the_sublayer_check_catches_an_import_against_the_order():
     assert sublayer_problems(TABLE, planted) == [
         "jdp.parallel.zero is in no 4.x row of docs/architecture.md's table",
         "jdp.parallel.cost:3 (layer 4.0) imports jdp.parallel.step (layer 4.7)"]
+
+
+def placement_comparisons(root: Path) -> list[str]:
+    """The files with `x.where == "inside"`-style comparisons (a strategy's placement read as a string)."""
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(side, ast.Attribute) and side.attr == "where" for side in (node.left, *node.comparators)):
+                found.append(str(path.relative_to(root.parent)))
+    return sorted(set(found))
+
+
+def test_a_strategy_placement_is_read_from_its_owner_only(tmp_path):
+    """Wrappers and steps ask the strategy (`inside`, `lead`, `local`, `wrapped`), never compare its `where`."""
+    assert placement_comparisons(ROOT / "jdp") == ["jdp/parallel/strategy.py"]
+    (tmp_path / "jdp").mkdir()
+    (tmp_path / "jdp" / "wrapper.py").write_text('def f(s):\n    return 1 if s.where == "inside" else 2\n')
+    assert placement_comparisons(tmp_path / "jdp") == ["jdp/wrapper.py"]  # the check sees one

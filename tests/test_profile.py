@@ -53,13 +53,13 @@ def test_profile_steps_must_be_a_window_of_the_run():
             profile.parse_steps(bad)
     with pytest.raises(ConfigError, match="`profile_steps=3:20` goes past the run's 8 steps; choose B <= 8"):
         train(TrainConfig(batch_size=16, epochs=1, model=tiny_model()), SMALL, jax.devices()[:2],
-              hooks=jdp.Hooks(profile=profile.Profiler("unused", 3, 20, 2, "inside")))
+              hooks=jdp.Hooks(profile=profile.Profiler("unused", 3, 20, 2, jdp.get_allreduce("psum"))))
 
 
 @pytest.mark.parametrize("name", ["psum", "manual"])
 def test_a_profiled_run_writes_a_trace_and_its_breakdown(name, tmp_path, devices):
     config = dataclasses.replace(TrainConfig(batch_size=16, epochs=1, model=tiny_model()), allreduce=name)
-    profiler = profile.Profiler(tmp_path, 2, 5, 2, config.strategy().where)
+    profiler = profile.Profiler(tmp_path, 2, 5, 2, config.strategy())
     train(config, SMALL, devices[:2], hooks=jdp.Hooks(profile=profiler))
     b = profiler.breakdown
     assert b.steps == 4 and b.source == ("trace" if name == "psum" else "segments")

@@ -212,7 +212,7 @@ def _agreed(iters: int) -> int:
 def _runner(strategy: allreduce.Allreduce, devices: Sequence[jax.Device],
             backend: str = "pmap") -> Callable[[jax.Array], jax.Array]:
     """x (k, n) sharded over `devices` → its allreduce, however the strategy runs."""
-    if strategy.where == "outside":
+    if not strategy.inside:
         return strategy.fn
     mapped = map_over_devices(lambda row: (strategy.fn(row, AXIS),), devices, backend, ("per_device",), ("per_device",))
     return lambda x: mapped(x)[0]

@@ -88,7 +88,7 @@ def bench_step(
     loss_fn = summed_cross_entropy(lenet.apply)
     runs, traces = [], tempfile.TemporaryDirectory(prefix="jdp-bench-step-")
     for strategy in configs:
-        profiler = Profiler(f"{traces.name}/{strategy.name}", 1, steps, len(devices), strategy.where)
+        profiler = Profiler(f"{traces.name}/{strategy.name}", 1, steps, len(devices), strategy)
         step = make_train_step(loss_fn, optimizer, strategy, devices, backend=backend, segment=profiler.segment)
         state = tuple(replicate(t, devices, backend) for t in (params, optimizer.init(params)))
         state = _time_steps(step, state, x, y, 2)[0]  # warm-up: compile

@@ -247,7 +247,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     profiler = None if args.profile is None else Profiler(
         trace_directory(args.profile, jax.process_index(), jax.process_count()), first, last,
-        sum(d.process_index == jax.process_index() for d in devices), config.strategy().where)
+        sum(d.process_index == jax.process_index() for d in devices), config.strategy())
     config, choice = formulation.settle(config, devices, args.checkpoint_dir, args.resume)
     settings = {k: v for k, v in vars(args).items() if k not in ("run", "command")}  # as history.json's config
     settings["formulation"] = choice.formulation  # what ran, not "auto"

@@ -95,23 +95,14 @@ def fused(strategy: Allreduce, bucket_mb: float | None = None) -> Allreduce:
     name = f"{strategy.name}+fused" if bucket_mb is None else f"{strategy.name}+buckets{bucket_mb:g}MB"
     cost = None if strategy.cost is None else fused_cost(strategy.cost, bucket_mb)
 
-    if strategy.where == "inside":
-
-        def fn_inside(tree: PyTree, axis_name: str) -> PyTree:
-            leaves, treedef = jax.tree.flatten(tree)
-            layout = layout_of(leaves, lead=0)
-            reduced = strategy.fn(to_buckets(leaves, layout, cap_bytes, lead=0), axis_name)
-            return jax.tree.unflatten(treedef, from_buckets(reduced, layout, cap_bytes, lead=0))
-
-        return Allreduce(name, fn_inside, "inside", cost=cost)
-
-    def fn_outside(tree: PyTree) -> PyTree:
+    def fn(tree: PyTree, *axis: str) -> PyTree:
         leaves, treedef = jax.tree.flatten(tree)
-        layout = layout_of(leaves, lead=1)
-        buckets = _to_buckets_jit(leaves, layout, cap_bytes, 1)  # one dispatch; slices stay on their devices
-        return jax.tree.unflatten(treedef, _from_buckets_jit(strategy.fn(buckets), layout, cap_bytes, 1))
+        layout = layout_of(leaves, strategy.lead)
+        buckets = _to_buckets_jit(leaves, layout, cap_bytes, strategy.lead)  # outside: one dispatch, slices stay put
+        reduced = strategy.fn(buckets, *axis)
+        return jax.tree.unflatten(treedef, _from_buckets_jit(reduced, layout, cap_bytes, strategy.lead))
 
-    return Allreduce(name, fn_outside, "outside", cost=cost)
+    return strategy.wrapped(name, fn, cost=cost)
 
 
 class Flat(NamedTuple):

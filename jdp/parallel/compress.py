@@ -54,10 +54,8 @@ def low_precision(strategy: Allreduce, dtype: jnp.dtype) -> Allreduce:
         return jax.tree.map(lambda s, x: s.astype(x.dtype), sums, tree)
 
     cost = None if strategy.cost is None else cast_cost(strategy.cost, jnp.dtype(dtype).itemsize / 4)  # of float32
-    if strategy.where == "inside":
-        return Allreduce(name, lambda tree, axis_name: up(strategy.fn(down(tree), axis_name), tree), cost=cost)
-    down_on_devices = jax.jit(down)  # one dispatch; each slice is cast on its own device
-    return Allreduce(name, lambda tree: up(strategy.fn(down_on_devices(tree)), tree), "outside", cost=cost)
+    cast = strategy.local(down)  # outside: one dispatch, each slice cast on its own device
+    return strategy.wrapped(name, lambda tree, *axis: up(strategy.fn(cast(tree), *axis), tree), cost=cost)
 
 
 # --- PowerSGD ---------------------------------------------------------------------------------
@@ -99,21 +97,17 @@ def powersgd(strategy: Allreduce, rank: int = 1) -> Allreduce:
         return {"error": tuple(jnp.zeros(_matrix(x.shape), x.dtype) for x in big),
                 "q": tuple(jax.random.normal(k, (_matrix(x.shape)[1], rank), x.dtype) for k, x in zip(keys, big))}
 
-    name = f"{strategy.name}+powersgd{rank}"
-    if strategy.where == "inside":
-        return Allreduce(name, lambda tree, state, axis_name: _powersgd_step(
-            tree, state, rank, lambda t: strategy.fn(t, axis_name), lambda f: f, lead=0), init=init)
-    return Allreduce(name, lambda tree, state: _powersgd_step(tree, state, rank, strategy.fn, _per_device, lead=1),
-                     "outside", init)
+    def step(tree: PyTree, state: PyTree, *axis: str) -> tuple[PyTree, PyTree]:
+        return _powersgd_step(tree, state, rank, lambda t: strategy.fn(t, *axis), strategy)
+
+    return strategy.wrapped(f"{strategy.name}+powersgd{rank}", step, init=init)
 
 
 def _powersgd_step(tree: PyTree, state: PyTree, rank: int, reduce: Callable[[PyTree], PyTree],
-                   local: Callable[[Callable], Callable], lead: int) -> tuple[PyTree, PyTree]:
-    """One PowerSGD allreduce: two calls of `reduce`, the math between them per device.
-
-    `local(f)` makes a function of one device's arrays run on what `reduce` takes: itself inside
-    the mapped step (`lead` 0), `_per_device(f)` on (k, ...) global arrays outside it (`lead` 1).
-    """
+                   strategy: Allreduce) -> tuple[PyTree, PyTree]:
+    """One PowerSGD allreduce: two calls of `reduce`, the math between them per device (`strategy.local`,
+    on arrays with `strategy.lead` device axes)."""
+    local, lead = strategy.local, strategy.lead
     leaves, treedef = jax.tree.flatten(tree)
     big = [i for i, x in enumerate(leaves) if compressible(x.shape[lead:], rank)]
     small = [leaves[i] for i in range(len(leaves)) if i not in big]
@@ -143,12 +137,6 @@ def _decompress(ms, p_hats, qs, q_sums):
     """The sum P̂·(ΣQ)ᵀ, and the new error M − P̂·Qᵀ: what this device's share of the sum left out."""
     return (tuple(p @ q.T for p, q in zip(p_hats, q_sums)),
             tuple(m - p @ q.T for m, p, q in zip(ms, p_hats, qs)))
-
-
-def _per_device(fn: Callable) -> Callable:
-    """`fn` of one device's arrays, run on (k, ...) global arrays: batched over the device axis, so
-    each device computes on its own slice (no communication)."""
-    return jax.jit(jax.vmap(fn))
 
 
 def _matrix(shape: Sequence[int]) -> tuple[int, int]:

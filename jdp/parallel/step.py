@@ -147,7 +147,7 @@ def make_train_step(loss: "LossFn | Model", optimizer: "optax.GradientTransforma
     check_strategy(strategy, devices, backend)
     opt, k = OptState(optimizer, None, len(devices), strategy=strategy), len(devices)
 
-    if strategy.where == "inside":
+    if strategy.inside:
 
         def local_step(variables, opt_state, images, labels):
             optimizer_state, kept = opt.split(opt_state)
@@ -209,7 +209,7 @@ def make_sharded_step(loss: "LossFn | Model", optimizer: "optax.GradientTransfor
         params = device.params_of(variables)
         return device.with_params(variables, plan(params, k).unflatten(gathered), state)
 
-    if strategy.where == "inside":
+    if strategy.inside:
 
         def local_step(variables, optimizer_state, images, labels):
             loss, grads, state = device.grads(variables, images, labels)
@@ -282,7 +282,7 @@ def check_strategy(strategy: Allreduce, devices: Sequence[jax.Device], backend: 
     stateful one keeps per-device state, which `shard_map`'s replicated `P()` step does not hold; the
     sharded optimizer needs a strategy's halves, and carries no per-device strategy state.
     """
-    if strategy.where == "outside" and any(d.process_index != jax.process_index() for d in devices):
+    if not strategy.inside and any(d.process_index != jax.process_index() for d in devices):
         inside = ", ".join(allreduce_lib.names("inside"))
         raise ConfigError(
             f"`allreduce={strategy.name}` copies buffers between devices with `jax.device_put`, which only "

@@ -70,6 +70,30 @@ class Allreduce(NamedTuple):
     cost: Cost | None = None
 
     @property
+    def inside(self) -> bool:
+        """Whether it runs inside the mapped step, as collectives (traceable in `jax.jit`), or between mapped
+        functions, on global (k, ...) arrays."""
+        return self.where == "inside"
+
+    @property
+    def lead(self) -> int:
+        """How many leading device axes the arrays `fn` takes have: 0 inside (one device's), 1 outside."""
+        return 0 if self.inside else 1
+
+    def local(self, fn: Callable) -> Callable:
+        """`fn` of one device's arrays, made to run on what `self.fn` takes: `fn` itself inside the mapped
+        step; outside, batched over the device axis and compiled, so each device computes on its own slice
+        in one dispatch (no communication)."""
+        return fn if self.inside else jax.jit(jax.vmap(fn))
+
+    def wrapped(self, name: str, fn: Callable[..., PyTree], *, init: Callable | None = None,
+                cost: Cost | None = None) -> "Allreduce":
+        """A wrapper's strategy (fusion, compression): `fn(tree, *axis)` (or `fn(tree, state, *axis)` with
+        `init`) in this strategy's place, calling it as `self.fn(..., *axis)`: `axis` is the axis name
+        inside and empty outside, so a wrapper is written once for both places."""
+        return Allreduce(name, fn, self.where, init=init, cost=cost)
+
+    @property
     def has_halves(self) -> bool:
         """Whether it splits into a reduce-scatter and an all-gather (what ZeRO needs)."""
         return self.reduce_scatter is not None and self.all_gather is not None

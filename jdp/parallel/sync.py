@@ -214,7 +214,7 @@ def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[
     def received(total, state):
         return sync.received(jax.tree.map(lambda x: x / k, total), state)
 
-    if strategy.where == "inside":
+    if strategy.inside:
 
         def local_sync(params, opt_state):
             (inner, kept), state = opt.split(opt_state), opt.sync_state(opt_state)

@@ -127,7 +127,7 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
     job = faults.JobWatch(guards.collective_timeout, guards.on_lost)  # a no-op with one process
     keeper, state, data_key = _started(run, dataset, checkpoints, guards.check_replicas, job)
     step, model_of = _wired_step(run, keeper, last_step, hooks.profile, hooks.stopwatch)
-    traceable = run.strategy.where == "inside" and not run.sync.local and hooks.stopwatch is None
+    traceable = run.strategy.inside and not run.sync.local and hooks.stopwatch is None
     run_epoch = make_epoch_runner(step, dataset.train, devices, config.batch_size, config.backend,
                                   plan=CallPlan(config.steps_per_call, traceable), params_kind=run.sync.params_kind)
     evaluate, after_call = _epoch_end(run), hooks.after_call(keeper)

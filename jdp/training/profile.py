@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import jax
 
 from jdp.errors import ConfigError
+from jdp.parallel.strategy import Allreduce
 from jdp.types import PyTree
 
 # A collective's instruction is named by its HLO opcode (all-reduce.3) or, in current JAX, by the
@@ -134,12 +135,13 @@ class Profiler:
       directory: where `jax.profiler` writes the trace.
       first, last: the steps to trace, counted from 1 over the run.
       device_count: this process's devices, whose ops its trace records: to give the per-device share.
-      where: the strategy's "inside" (breakdown from the trace) or "outside" (from timed segments).
+      strategy: the run's allreduce strategy: one inside the step is broken down from the trace, one outside
+        it from its timed segments.
     """
 
-    def __init__(self, directory: str | Path, first: int, last: int, device_count: int, where: str) -> None:
+    def __init__(self, directory: str | Path, first: int, last: int, device_count: int, strategy: Allreduce) -> None:
         self.directory, self.first, self.last = Path(directory), first, last
-        self.device_count, self.where = device_count, where
+        self.device_count, self.from_trace = device_count, strategy.inside
         self.breakdown: Breakdown | None = None
         self.trace: Path | None = None
         self._started: tuple[int, float] | None = None  # (steps done, time) when tracing began
@@ -173,12 +175,12 @@ class Profiler:
             self._started = None
             self.trace = max(self.directory.glob("plugins/profile/*/perfetto_trace.json.gz"),
                              key=lambda p: p.stat().st_mtime)
-            parts = self._segments if self.where == "outside" else {
+            parts = self._segments if not self.from_trace else {
                 kind: s / self.device_count for kind, s in op_seconds(self.trace).items()}
             ms = {kind: 1e3 * s / steps for kind, s in parts.items()}
             self.breakdown = Breakdown(steps, 1e3 * wall / steps, ms["compute"], ms["communication"],
                                        1e3 * wall / steps - ms["compute"] - ms["communication"],
-                                       "segments" if self.where == "outside" else "trace")
+                                       "trace" if self.from_trace else "segments")
 
 
 def check_window(first: int, last: int, total_steps: int) -> None:
