@@ -233,6 +233,34 @@ def test_strategies_without_halves_and_bad_optimizer_settings_are_config_errors(
         optimizers.make("sgd", 0.1, weight_decay=-1)
 
 
+def test_an_optax_optimizer_of_your_own_trains_as_the_built_in_of_the_same_math(tmp_path, devices):
+    """`optimizer=` an optax object: the same run, bit for bit, as the built-in name building that object; the
+    run's record names it `own`, and its checkpoint resumes with it (and is refused with a named one)."""
+    base = dataclasses.replace(SHARDED, shard_optimizer=False, epochs=1)
+    built_in, _ = train(dataclasses.replace(base, optimizer="momentum", momentum=0.8), SMALL, devices[:2])
+    own = dataclasses.replace(base, optimizer=optax.sgd(base.lr, momentum=0.8))
+    mine, _ = train(own, SMALL, devices[:2], checkpoints=jdp.Checkpoints(tmp_path))
+    chex.assert_trees_all_equal(mine, built_in)
+    assert own.to_dict()["optimizer"] == "own"
+    resumed, _ = train(dataclasses.replace(own, epochs=2), SMALL, devices[:2],
+                       checkpoints=jdp.Checkpoints(tmp_path, resume=True))
+    assert jax.tree.structure(resumed) == jax.tree.structure(mine)
+    with pytest.raises(ConfigError, match=r"This run has `optimizer=momentum` but the checkpoint has `optimizer=own`"):
+        train(dataclasses.replace(base, optimizer="momentum", epochs=3), SMALL, devices[:2],
+              checkpoints=jdp.Checkpoints(tmp_path, resume=True))
+
+
+def test_an_optax_optimizer_of_your_own_refuses_the_built_in_settings():
+    for setting in ({"momentum": 0.9}, {"weight_decay": 1e-4}, {"warmup_steps": 10}):
+        name = next(iter(setting))
+        with pytest.raises(ConfigError, match=rf"`{name}=.*` configures a built-in optimizer; your optax optimizer "
+                                              rf"brings its own .* Drop `{name}`."):
+            TrainConfig(optimizer=optax.sgd(0.1), **setting)
+    with pytest.raises(ConfigError, match=r"`optimizer` takes a name \(sgd, momentum, adamw\) or an optax "
+                                          r"optimizer \(with `init` and `update`\), got int."):
+        TrainConfig(optimizer=3)
+
+
 def test_host_form_of_the_sharded_state_round_trips_on_any_device_count(devices):
     """gather(shard(state)) is the state, bit for bit, for k = 1..8; the padding holds zeros."""
     opt = optimizer("adamw")

@@ -48,7 +48,7 @@ class TrainConfig:
     backend: str = "pmap"  # "pmap" or "shard_map": how the step is mapped over the devices (jdp.parallel.layout)
     compress: str = "none"  # a mode of jdp.parallel.compress.MODES: none, bf16, fp16, bf16-wire, fp16-wire, powersgd
     powersgd_rank: int | None = None  # with compress "powersgd": the rank of its factors; None: 1
-    optimizer: str = "sgd"  # "sgd" (the lesson's), "momentum" or "adamw" (jdp.training.optimizers)
+    optimizer: "str | optax.GradientTransformation" = "sgd"  # "sgd" (the lesson's), "momentum", "adamw", or your own optax optimizer
     momentum: float | None = None  # for "momentum": the trace's decay; None: 0.9
     weight_decay: float | None = None  # sgd/momentum: L2 (None: none); adamw: decoupled (None: 1e-4)
     accumulate: int = 1  # micro-batches per device per step, gradients summed before the one allreduce
@@ -102,9 +102,13 @@ class TrainConfig:
                                   "mode does not sync yet. Use `sync=every-step`, or a model without state.")
 
     def build_optimizer(self) -> "optax.GradientTransformation":
-        """The optax optimizer of `optimizer`, `momentum`, `weight_decay`, on the lr schedule."""
-        return optimizers.make(self.optimizer, learning_rate(self), momentum=self.momentum,
-                               weight_decay=self.weight_decay)
+        """The optax optimizer of `optimizer`, `momentum`, `weight_decay`, on the lr schedule; or `optimizer`
+        itself, an optax optimizer of the caller's (which carries its own learning rate and schedule)."""
+        if isinstance(self.optimizer, str):
+            return optimizers.make(self.optimizer, learning_rate(self), momentum=self.momentum,
+                                   weight_decay=self.weight_decay)
+        return optimizers.check_own(self.optimizer, momentum=self.momentum, weight_decay=self.weight_decay,
+                                    warmup_steps=self.warmup_steps)
 
     def build_model(self) -> Model:
         """`model` itself, or the registered model of that name built with `formulation` and `batchnorm`;
@@ -143,9 +147,11 @@ class TrainConfig:
             raise ConfigError(f"`batch_size={self.batch_size}` exceeds the {train_images} training images.")
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings as JSON values: a `Model`, `Allreduce` or `Sync` object is recorded by its name."""
+        """The settings as JSON values: a `Model`, `Allreduce` or `Sync` object is recorded by its name, an
+        optax optimizer of the caller's as `optimizers.OWN`."""
         values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        return {**values, "model": _name(self.model), "allreduce": _name(self.allreduce), "sync": _name(self.sync)}
+        return {**values, "model": _name(self.model), "allreduce": _name(self.allreduce), "sync": _name(self.sync),
+                "optimizer": self.optimizer if isinstance(self.optimizer, str) else optimizers.OWN}
 
 
 def learning_rate(config: TrainConfig) -> "float | optax.Schedule":

@@ -56,3 +56,27 @@ def make(
     if not weight_decay:
         return sgd
     return optax.chain(optax.add_decayed_weights(weight_decay), sgd)
+
+
+OWN = "own"  # how a run's record names an optax optimizer passed as `optimizer` (it has no name)
+
+
+def check_own(optimizer: object, *, momentum: float | None, weight_decay: float | None,
+              warmup_steps: int) -> "optax.GradientTransformation":
+    """Returns `optimizer`, a caller's optax optimizer, if it is one and no setting of the built-in ones is given.
+
+    Raises:
+      ConfigError: if it has no `init` and `update`, or with `momentum`, `weight_decay` or `warmup_steps`
+        (they configure the built-in optimizers; an optax optimizer brings its own, and its own lr).
+    """
+    if isinstance(optimizer, str) or not all(callable(getattr(optimizer, f, None)) for f in ("init", "update")):
+        raise ConfigError(f"`optimizer` takes a name ({', '.join(OPTIMIZERS)}) or an optax optimizer (with `init` "
+                          f"and `update`), got {type(optimizer).__name__}.")
+    given = {"momentum": momentum, "weight_decay": weight_decay, "warmup_steps": warmup_steps or None}
+    for name, value in given.items():
+        if value is not None:
+            raise ConfigError(f"`{name}={value}` configures a built-in optimizer; your optax optimizer brings its "
+                              f"own (e.g. `optax.chain(optax.add_decayed_weights(wd), optax.sgd(schedule, momentum))`)"
+                              f". Drop `{name}`.")
+    return optimizer
+
