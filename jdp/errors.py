@@ -5,6 +5,8 @@ name with its value (`accumulate=5`, `shard_optimizer=True`), the name being the
 `TrainConfig` field's. The library is called from Python, so that is what its errors speak; the
 CLI rewrites each name that is one of its flags into the flag (`--accumulate 5`,
 `--shard-optimizer`) before printing the message as a single line on stderr with exit status 2.
+So backticks hold arguments only: a package or another name that is not an argument is quoted
+('tensorboard'), or the CLI would print the package as its flag.
 Anything that is not a `JdpError` is a bug and keeps its traceback.
 """
 

@@ -11,6 +11,7 @@ import pytest
 import jdp
 from jdp.cli import compare
 from jdp.cli import main as cli
+from jdp.cli.errors import as_flags, option_flags
 from jdp.errors import ConfigError
 from jdp.training.config import TrainConfig
 from jdp.training.loop import train
@@ -89,9 +90,12 @@ def test_steps_losses_cover_every_step_of_chunked_calls_and_shard_map(options, d
 
 def test_without_the_tensorboard_package_the_error_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard.summary.writer.event_file_writer", None)
-    with pytest.raises(ConfigError, match=r"needs the `tensorboard` package \(no TensorFlow\): "
-                                          r"pip install 'jdp\[tensorboard\]'"):
+    with pytest.raises(ConfigError, match=r"needs the 'tensorboard' package \(no TensorFlow\): "
+                                          r"pip install 'jdp\[tensorboard\]'") as raised:
         TensorBoardWriter(tmp_path, {}, 0.1, 0)
+    parser = cli.build_parser()  # the CLI names the flag, and the package stays a package
+    said = as_flags(str(raised.value), option_flags(parser, parser.parse_args(["train"])))
+    assert said.startswith(f"`--tensorboard {tmp_path}` needs the 'tensorboard' package"), said
 
 
 def test_a_resumed_run_continues_the_step_axis_in_the_same_directory(tmp_path, devices):

@@ -48,7 +48,7 @@ class TensorBoardWriter:
         try:
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
         except ImportError:
-            raise ConfigError(f"`tensorboard={directory}` needs the `tensorboard` package (no TensorFlow): "
+            raise ConfigError(f"`tensorboard={directory}` needs the 'tensorboard' package (no TensorFlow): "
                               "pip install 'jdp[tensorboard]'.") from None
         Path(directory).mkdir(parents=True, exist_ok=True)
         self._writer = EventFileWriter(str(directory))
@@ -152,7 +152,7 @@ def _load(directory: str | Path) -> Any:
     try:
         from tensorboard.backend.event_processing import event_accumulator
     except ImportError:
-        raise ConfigError(f"Reading `{directory}`'s TensorBoard events needs the `tensorboard` package: "
+        raise ConfigError(f"Reading `{directory}`'s TensorBoard events needs the 'tensorboard' package: "
                           "pip install 'jdp[tensorboard]'.") from None
     events = event_accumulator.EventAccumulator(str(directory), size_guidance={event_accumulator.SCALARS: 0,
                                                                                event_accumulator.TENSORS: 0})
