@@ -200,7 +200,7 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
         "(as root): one process on each of H emulated hosts, network namespaces whose NICs are shaped to RATE "
         "each way and joined by a switch (docs/cluster.md).",
         usage="jdp launch (--num-processes P | --hosts H --nic RATE [--cores-per-host C] [--delay MS]) "
-        "[--cpu-devices-per-process N] [--timeout S] [--max-restarts N] -- jdp train ...",
+        "[--cpu-devices-per-process N] [--timeout S] [--max-restarts N] [--inject SPEC ...] -- jdp train ...",
     )
     launch.add_argument("--num-processes", type=int, default=None, help="processes to start (on loopback)")
     launch.add_argument("--cpu-devices-per-process", "--devices-per-host", type=int, default=1,
@@ -219,6 +219,10 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="when a process fails, stop the job and start all processes again with --resume from "
                         "the newest complete checkpoint, up to N times (the command needs --checkpoint-dir)")
+    launch.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                        help="make a fault at a training step, once (repeatable): kill:HOST@STEP, "
+                        "stop:HOST@STEP:SECONDS, and with --hosts cut:HOST@STEP:SECONDS, slow:HOST@STEP:RATE "
+                        "(docs/faults.md)")
     launch.add_argument("job", nargs=argparse.REMAINDER, help="-- and the command, e.g. -- jdp train --epochs 1")
     launch.set_defaults(run=run_launch)
 
@@ -336,7 +340,7 @@ def _train_and_log(args: argparse.Namespace, config: "TrainConfig", on: "tuple[D
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    from jdp.runtime import cluster
+    from jdp.runtime import cluster, inject
     from jdp.runtime.launch import Job, launch
 
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
@@ -358,8 +362,9 @@ def run_launch(args: argparse.Namespace) -> int:
         plan = cluster.plan(args.hosts, cluster.parse_rate(args.nic), cores_per_host=args.cores_per_host,
                             delay_ms=args.delay)
         cluster.check_privileges()
-    return launch(Job(job, args.num_processes or args.hosts, args.cpu_devices_per_process, cluster=plan),
-                  timeout=args.timeout, max_restarts=args.max_restarts)
+    faults = tuple(inject.parse(spec) for spec in args.inject)
+    return launch(Job(job, args.num_processes or args.hosts, args.cpu_devices_per_process, cluster=plan,
+                      faults=faults), timeout=args.timeout, max_restarts=args.max_restarts)
 
 
 class _ToStderr(logging.StreamHandler):

@@ -138,6 +138,19 @@ class Plan:
             return [[*tc, "root", *tbf]]
         return [[*tc, "root", "handle", "1:", "netem", "delay", f"{delay_ms:g}ms"], [*tc, "parent", "1:1", *tbf]]
 
+    def port_command(self, index: int, up: bool) -> list[str]:
+        """Host `index`'s switch port up or down: down, its packets are dropped as with a pulled cable, while the
+        host keeps its own interface and routes (`jdp launch --inject cut:...`)."""
+        return ["ip", "-n", self.switch, "link", "set", self.hosts[index].port, "up" if up else "down"]
+
+    def reshape_commands(self, index: int, rate_bps: float) -> list[list[str]]:
+        """Host `index`'s NIC shaped to `rate_bps` both ways (`jdp launch --inject slow:...`)."""
+        h, rate = self.hosts[index], int(rate_bps)
+        tbf = ["tbf", "rate", f"{rate}bit", "burst", str(burst_bytes(rate)), "latency", QUEUE_LATENCY]
+        where = ["root"] if self.delay_ms is None else ["parent", "1:1"]  # with netem, tbf is its child
+        return [["tc", "-n", h.namespace, "qdisc", "change", "dev", NIC, *where, *tbf],
+                ["tc", "-n", self.switch, "qdisc", "change", "dev", h.port, "root", *tbf]]
+
     def hosts_files(self) -> dict[Path, str]:
         """Each host's /etc/hosts: localhost, and this machine's hostname at the host's own address."""
         return {NETNS_ETC / h.namespace / "hosts": f"127.0.0.1 localhost\n{h.address} {self.hostname}\n"
@@ -311,6 +324,16 @@ def build(p: Plan) -> None:
     except BaseException:
         teardown(p)
         raise
+
+
+def run_commands(commands: Sequence[Sequence[str]]) -> list[str]:
+    """Runs each command; returns the failures as `command: why` (empty when all succeeded)."""
+    failures = []
+    for command in commands:
+        result = _run(command)
+        if result.returncode != 0:
+            failures.append(f"{' '.join(command)}: {result.stderr.strip() or f'exit {result.returncode}'}")
+    return failures
 
 
 def teardown(p: Plan) -> list[str]:

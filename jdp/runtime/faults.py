@@ -31,6 +31,7 @@ from typing import Any
 import jax
 
 from jdp.errors import ProcessLostError
+from jdp.runtime import inject
 
 EXIT_PROCESS_LOST = 75  # sysexits' EX_TEMPFAIL: nothing wrong with the input, a rerun with --resume goes on
 STARTUP_S = 300.0  # the limit until the first step finished (compilation; jax.distributed's own start-up limit)
@@ -203,6 +204,7 @@ class JobWatch:
         self._last_beat, self._beats, self._slowest = time.monotonic(), 0, None
         self._recent: deque[tuple[float, int]] = deque(maxlen=RECENT)  # (time, step) of the last beats
         self._alive, self._stop = 0, threading.Event()
+        self._faults = inject.for_process(self.process_id)  # `jdp launch --inject`'s, for this process
         if self.active:
             for target in (self._publish, self._watchdog):
                 threading.Thread(target=target, daemon=True, name=f"jdp-{target.__name__[1:]}").start()
@@ -216,6 +218,7 @@ class JobWatch:
             self._slowest = max(self._slowest, now - self._last_beat)
             self._recent.append((now, step))
         self.step, self._last_beat, self._beats = step, now, self._beats + 1
+        inject.make_due(self._faults, step)
 
     def step_seconds(self) -> float | None:
         """Seconds per step over the last RECENT beats (evaluation and saves included), None before."""

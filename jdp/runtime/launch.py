@@ -33,6 +33,7 @@ from typing import TextIO
 
 from jdp.errors import ConfigError, check_positive
 from jdp.runtime import cluster as emulated
+from jdp.runtime import inject
 from jdp.runtime.faults import EXIT_PROCESS_LOST
 
 HOST = "127.0.0.1"
@@ -67,12 +68,14 @@ class Job:
       cpu_devices_per_process: CPU devices each process simulates (`--cpu-devices`).
       cluster: the emulated cluster to run on (`jdp.runtime.cluster.plan`), one process per host;
         None: every process on 127.0.0.1.
+      faults: faults to make at given steps (`jdp.runtime.inject`), each once per launch.
     """
 
     command: Sequence[str]
     num_processes: int
     cpu_devices_per_process: int
     cluster: emulated.Plan | None = None
+    faults: tuple[inject.Fault, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,7 @@ def launch(
     if max_restarts and not _has(command, "--checkpoint-dir"):
         raise ConfigError(f"`max_restarts={max_restarts}` restarts the job from its newest checkpoint: the command "
                           "needs `--checkpoint-dir DIR` (and `--checkpoint-every STEPS` to lose no more than that).")
+    inject.check(job.faults, num_processes, cluster is not None)
     if cluster is not None and len(cluster.hosts) != num_processes:
         raise ConfigError(f"`num_processes={num_processes}` must equal the emulated cluster's "
                           f"`hosts={len(cluster.hosts)}`: one process per host.")
@@ -158,10 +162,11 @@ def _launch(job: Job, timeout: float | None, max_restarts: int, output: _Output)
     """`launch`'s loop of starts and restarts; returns its exit status."""
     deadline = None if timeout is None else time.monotonic() + timeout
     num_processes = job.num_processes
-    attempt = 0
+    attempt, made = 0, set()  # made: the specs of the faults already made (each once per launch)
     while True:
         run = job if attempt == 0 else replace(job, command=with_resume(job.command))
-        pids, failure = _run_job(run, deadline, output)
+        run = replace(run, faults=tuple(f for f in job.faults if f.spec not in made))
+        pids, failure = _run_job(run, deadline, output, made)
         if failure is None:
             return 0
         index, code = failure
@@ -216,12 +221,14 @@ def _has(command: Sequence[str], flag: str) -> bool:
     return any(arg == flag or arg.startswith(flag + "=") for arg in command)
 
 
-def _run_job(job: Job, deadline: float | None, output: _Output) -> tuple[list[int], tuple[int | None, int] | None]:
-    """Starts the P processes, waits as `_watch`, stops them all; returns their pids and `_watch`'s result."""
+def _run_job(job: Job, deadline: float | None, output: _Output,
+             made: set[str]) -> tuple[list[int], tuple[int | None, int] | None]:
+    """Starts the P processes, waits as `_watch`, stops them all; returns their pids and `_watch`'s result.
+    The faults the processes announce are made (`_make`) and added to `made`."""
     cluster = job.cluster
     port = free_port()  # on loopback; in a fresh namespace of the cluster every port is free
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-           **({} if cluster is None else cluster.environment())}
+           **({} if cluster is None else cluster.environment()), **inject.environment(job.faults)}
     host = HOST if cluster is None else cluster.coordinator_host
     procs: list[subprocess.Popen] = []
     readers: list[threading.Thread] = []
@@ -234,8 +241,14 @@ def _run_job(job: Job, deadline: float | None, output: _Output) -> tuple[list[in
                                     env=env, start_new_session=True)
             procs.append(proc)
             output.say(f"process {i}: pid {proc.pid}")
-            for pipe, target in ((proc.stdout, output.stdout), (proc.stderr, output.stderr)):
-                readers.append(threading.Thread(target=_forward, args=(pipe, f"[p{i}] ", target, output.lock),
+            def on_line(line: str, proc: subprocess.Popen = proc) -> None:
+                fault = inject.announced(line)
+                if fault is not None:
+                    made.add(fault.spec)
+                    _make(fault, proc, cluster, output)
+
+            for pipe, target, seen in ((proc.stdout, output.stdout, None), (proc.stderr, output.stderr, on_line)):
+                readers.append(threading.Thread(target=_forward, args=(pipe, f"[p{i}] ", target, output.lock, seen),
                                                 daemon=True))
                 readers[-1].start()
         failure = _watch(procs, deadline)
@@ -296,12 +309,45 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _forward(pipe: TextIO, prefix: str, target: TextIO, lock: threading.Lock) -> None:
+def _forward(pipe: TextIO, prefix: str, target: TextIO, lock: threading.Lock, seen=None) -> None:
     for line in pipe:
         with lock:
             target.write(prefix + line)
             target.flush()
+        if seen is not None:
+            seen(line)
     pipe.close()
+
+
+def _make(fault: inject.Fault, proc: subprocess.Popen, cluster: emulated.Plan | None, output: _Output) -> None:
+    """The launcher's part of a fault a process announced: continue a stopped process, cut or slow a link
+    (the process killed or stopped itself)."""
+    if fault.kind == "stop":
+        _later(fault.value, lambda: proc.send_signal(signal.SIGCONT) if proc.poll() is None else None,
+               output, f"continued process {fault.host} after {fault.value:g} s stopped")
+    elif fault.kind == "cut":
+        _on_link(cluster, [cluster.port_command(fault.host, up=False)], output, f"cut host {fault.host}'s link")
+        _later(fault.value, lambda: _on_link(cluster, [cluster.port_command(fault.host, up=True)], output,
+                                             f"host {fault.host}'s link back up after {fault.value:g} s"), output)
+    elif fault.kind == "slow":
+        _on_link(cluster, cluster.reshape_commands(fault.host, fault.value), output,
+                 f"host {fault.host}'s NIC slowed to {emulated.format_rate(fault.value)}")
+
+
+def _later(seconds: float, action, output: _Output, said: str | None = None) -> None:
+    def run():
+        action()
+        if said is not None:
+            output.say(said)
+
+    timer = threading.Timer(seconds, run)
+    timer.daemon = True
+    timer.start()
+
+
+def _on_link(cluster: emulated.Plan, commands: list[list[str]], output: _Output, said: str) -> None:
+    failures = emulated.run_commands(commands)
+    output.say(said if not failures else f"could not change a link ({'; '.join(failures)})")
 
 
 def _describe(code: int) -> str:
