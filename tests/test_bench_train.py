@@ -145,10 +145,12 @@ def test_table_shows_each_precision_and_the_ratios():
 def test_the_loop_bench_times_train_and_a_bare_loop_in_each_round(devices):
     record = bench_loop.bench_loop(devices[:1], batch_size=16, steps=20, rounds=2, hidden=8)
     assert record["model"] == "tiny-mlp-8" and record["devices"] == 1
-    assert {name: len(times) for name, times in record["rounds"].items()} == {"train_s": 2, "bare_s": 2, "windowed_s": 2}
+    assert {name: len(times) for name, times in record["rounds"].items()} == {"train_s": 2, "bare_s": 2, "windowed_s": 2,
+                                                                              "runner_s": 2}
     best = record["seconds_per_step"]
     assert best == {name: min(times) for name, times in record["rounds"].items()} and min(best.values()) > 0
     assert record["train_vs_bare"] == pytest.approx(best["train_s"] / best["bare_s"])
+    assert record["train_vs_runner"] * record["runner_vs_bare"] == pytest.approx(record["train_vs_bare"])
     json.dumps(record)  # what --out writes
     table = bench_loop.format_table([record], "header")
     assert table.splitlines()[2].split()[0] == "1" and "target train/bare <= 1.3" in table

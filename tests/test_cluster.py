@@ -7,6 +7,7 @@ with the reason elsewhere): the cluster removed after SIGTERM, SIGINT and a kill
 """
 
 import ipaddress
+import json
 import os
 import re
 import shutil
@@ -75,7 +76,18 @@ def test_every_command_acts_inside_the_clusters_own_namespaces_and_shapes_each_n
         if c[0] == "tc":
             assert c[c.index("rate") + 1] == "1000000000bit" and c[c.index("burst") + 1] == str(125_000)
     addresses = [c[c.index("add") + 1] for c in p.setup_commands() if c[3:5] == ["addr", "add"]]
-    assert addresses == ["198.18.0.1/24", "198.18.0.2/24"]
+    assert addresses == ["198.18.0.254/24", "198.18.0.1/24", "198.18.0.2/24"]  # the switch's own, then the hosts'
+
+
+def test_a_job_started_again_without_a_lost_host_keeps_the_others_numbers_and_the_switch_probes_them():
+    p = cluster.plan(3, 10**8, launcher_pid=7, cores=[0, 1], hostname="b")
+    kept = p.keep([0, 2])
+    assert [h.index for h in kept.hosts] == [0, 2] and kept.switch == p.switch
+    assert kept.named(1) == "host 2 (198.18.0.3)" and kept.process_prefix(1)[3] == "jdp-7-h2"
+    assert p.keep([1, 2]).coordinator_host == "198.18.0.2"  # the first host kept runs the coordinator
+    probe = p.probe_command()
+    assert probe[:4] == ["ip", "netns", "exec", p.switch] and json.loads(probe[-2]) == [
+        "198.18.0.1", "198.18.0.2", "198.18.0.3"]
 
 
 def test_a_delay_puts_netem_at_each_hosts_nic_with_tbf_beneath_it():
@@ -376,3 +388,13 @@ def test_a_delay_without_netem_is_refused_in_one_line_and_nothing_is_left():
     assert "needs the kernel's netem qdisc" in result.stderr and "drop `--delay`" in result.stderr
     launcher = re.search(r"jdp-(\d+)-h0", result.stderr).group(1)
     assert ours(launcher) == [] and not list(cluster.NETNS_ETC.glob(f"jdp-{launcher}-*"))
+
+
+def test_the_traffic_lines_name_a_nic_whose_queues_dropped_packets():
+    row = {"host": 1, "address": "198.18.0.2", "sent_bytes": 2e6, "received_bytes": 3e6, "shaped_out_bytes": 2e6,
+           "shaped_in_bytes": 3e6, "dropped_out_packets": 0, "dropped_in_packets": 0}
+    quiet, = cluster.describe_traffic([row], 10**8)
+    assert quiet == ("host 1 (198.18.0.2): sent 2.00 MB, received 3.00 MB through its 100mbit NIC (shaped: 2.00 MB out, "
+                     "3.00 MB in)")
+    slow, = cluster.describe_traffic([{**row, "dropped_out_packets": 40, "dropped_in_packets": 2}], 10**8)
+    assert slow == quiet + "; its queues dropped 42 packets: a bottleneck"

@@ -8,7 +8,9 @@ time the others.
 
 import os
 import random
+import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -82,16 +84,26 @@ def test_a_process_that_never_published_is_stopped_and_a_late_one_is_behind():
 
 def test_the_line_names_the_process_the_step_the_checkpoint_and_how_to_go_on():
     board = {0: progress(74, 12, 0.05), 1: progress(74, 9, 0.31)}
-    line = faults.describe_loss("a collective failed (Connection reset by peer)", [1], [], board, 2, 74,
+    line = faults.describe_loss("a collective failed (Connection reset by peer)", ([1], []), board, 2, 74,
                                 "runs/ckpt/checkpoint-000000070.msgpack")
     assert line == ("process 1 of 2 stopped responding: a collective failed (Connection reset by peer) after step 74 "
                     "(step times before: p0 0.05 s, p1 0.31 s); the last complete checkpoint is "
                     "runs/ckpt/checkpoint-000000070.msgpack. Rerun the job with `resume=True` to go on from it; "
                     f"this process ends (exit status {LOST}).")
     assert "\n" not in line
-    assert faults.describe_loss("x", [], [2, 3], board, 4, 9, None).startswith("processes 2, 3 of 4 did not arrive: x")
-    assert "the coordinator, process 0 of 2, cannot be reached" in faults.describe_loss("x", [], [], {}, 2, 9, None)
-    assert "no checkpoint was saved" in faults.describe_loss("x", [1], [], {}, 2, 9, None)
+    assert faults.describe_loss("x", ([], [2, 3]), board, 4, 9, None).startswith("processes 2, 3 of 4 did not arrive: x")
+    assert "the coordinator, process 0 of 2, cannot be reached" in faults.describe_loss("x", ([], []), {}, 2, 9, None)
+    assert "no checkpoint was saved" in faults.describe_loss("x", ([1], []), {}, 2, 9, None)
+
+
+def test_the_line_names_the_host_of_each_lost_process_and_the_coordinators_address():
+    board = {0: {**progress(74, 12), "host": "box at 198.18.0.1"}, 1: {**progress(74, 9), "host": "box at 198.18.0.2"}}
+    assert faults.describe_loss("x", ([1], []), board, 2, 74, None).startswith(
+        "process 1 (on box at 198.18.0.2) of 2 stopped responding: x after step 74")
+    assert faults.describe_loss("x", ([], []), {}, 2, 9, None, coordinator="198.18.0.1:4242").startswith(
+        "the coordinator, process 0 of 2 at 198.18.0.1:4242, cannot be reached: x")
+    name = faults.host_name()
+    assert name.startswith(socket.gethostname())
 
 
 def test_the_stall_names_the_limit_it_broke():
@@ -360,7 +372,7 @@ def test_the_other_process_ends_fast_with_one_line_naming_the_lost_one(signum, t
     assert procs[0].returncode == LOST, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err  # no traceback, no C++ log
-    assert lines[0].startswith("jdp: error: process 1 of 2 stopped responding: ")
+    assert re.match(r"jdp: error: process 1 \(on .+ at [\d.]+\) of 2 stopped responding: ", lines[0]), lines[0]
     assert f"the last complete checkpoint is {tmp_path / 'ckpt'}/checkpoint-" in lines[0]
     assert "Rerun the job with `--resume` to go on from it" in lines[0]
     if signum == signal.SIGKILL:
@@ -426,6 +438,7 @@ def test_a_job_killed_twice_mid_epoch_comes_back_and_ends_bit_identical(tmp_path
     assert a.step == b.step == 96
     for x, y in zip(jax.tree.leaves(a.arrays), jax.tree.leaves(b.arrays), strict=True):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
-    strip = lambda history: [{k: v for k, v in r.items() if k != "seconds"} for r in history]  # noqa: E731
+    timing = ("seconds", "process_step_s")  # wall times: each run its own
+    strip = lambda history: [{k: v for k, v in r.items() if k not in timing} for r in history]  # noqa: E731
     assert strip(a.info["history"]) == strip(b.info["history"])
     assert not any(Path(tmp_path / "killed").glob(".tmp-*"))

@@ -5,9 +5,12 @@ Slow: a real 2-process job over loopback whose process 1 kills itself at a step 
 one whose process 1 stops for 2 s and goes on with nothing restarted.
 """
 
+import json
+import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import jax
 import numpy as np
@@ -15,7 +18,8 @@ import pytest
 
 from jdp.cli import main as cli
 from jdp.errors import ConfigError
-from jdp.runtime import cluster, inject
+from jdp.runtime import cluster, inject, launch
+from jdp.runtime.faults import EXIT_PROCESS_LOST
 from jdp.runtime.inject import Fault
 from jdp.training import checkpoint
 from jdp.training.config import TrainConfig, checkpoint_target
@@ -23,6 +27,7 @@ from jdp.training.config import TrainConfig, checkpoint_target
 
 def test_each_form_parses_and_writes_itself_back():
     for spec, fault in [("kill:1@5", Fault("kill", 1, 5)), ("stop:0@20:2.5", Fault("stop", 0, 20, 2.5)),
+                        ("cut:1@3", Fault("cut", 1, 3)),  # no seconds: for good
                         ("cut:1@3:4", Fault("cut", 1, 3, 4.0)), ("slow:2@7:1mbit", Fault("slow", 2, 7, 1e6))]:
         assert inject.parse(spec) == fault and fault.spec == spec
 
@@ -85,9 +90,9 @@ TRAIN = ["jdp", "train", "--backend", "shard_map", "--dataset", "synthetic", "--
          "--epochs", "2"]  # 16 steps an epoch
 
 
-def launched(tmp_path, *flags, where=("--num-processes", "2"), name="ckpt"):
+def launched(tmp_path, *flags, where=("--num-processes", "2"), name="ckpt", train=()):
     return subprocess.run(
-        [sys.executable, "-m", "jdp", "launch", *where, "--timeout", "600", *flags, "--", *TRAIN,
+        [sys.executable, "-m", "jdp", "launch", *where, "--timeout", "600", *flags, "--", *TRAIN, *train,
          "--checkpoint-dir", str(tmp_path / name), "--checkpoint-every", "4"],
         capture_output=True, text=True, timeout=700)
 
@@ -130,3 +135,69 @@ def test_a_short_cut_of_a_link_heals_and_the_run_ends_bit_identical(tmp_path):
     assert a.step == b.step == 32
     for x, y in zip(jax.tree.leaves(a.arrays), jax.tree.leaves(b.arrays), strict=True):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def test_a_restart_leaves_out_the_hosts_that_do_not_answer_down_to_min_hosts(monkeypatch):
+    """Host 1 of 3 is silent: the launcher names it as the cause, and a restart goes on with hosts 0 and 2
+    (process 1 now runs on host 2); below `min_hosts` it is not restarted."""
+    plan = cluster.plan(3, 10**8, launcher_pid=5, cores=[0], hostname="b")
+    monkeypatch.setattr(cluster, "answering", lambda p: [h.index != 1 for h in p.hosts])
+    job = launch.Job(["jdp", "train"], 3, 1, cluster=plan, min_hosts=2)
+    assert launch._failed(job, [10, 11, 12], 0, EXIT_PROCESS_LOST).startswith(
+        "host 1 (198.18.0.2) does not answer (a cut link or a host gone); stopped all 3 processes")
+    assert launch._failed(job, [10, 11, 12], 2, 1) == "process 2 (pid 12) failed: exit status 1; stopped the other 2 process(es)"
+    again, left_out = launch._restarted(job, job)
+    assert again.num_processes == 2 and [h.index for h in again.cluster.hosts] == [0, 2]
+    assert again.command[-1] == "--resume" and left_out.startswith(", leaving out host 1 (198.18.0.2) (no answer")
+    none, why = launch._restarted(replace(job, min_hosts=3), job)
+    assert none is None and why == "host 1 (198.18.0.2) does not answer, and 2 host(s) are fewer than `--min-hosts 3`"
+    assert launch._restarted(replace(job, min_hosts=None), job)[0].num_processes == 3  # no --min-hosts: every host
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--num-processes", "2", "--max-restarts", "1", "--min-hosts", "1"], "`--min-hosts` describes an emulated cluster"),
+    (["--hosts", "2", "--nic", "1gbit", "--min-hosts", "1"], "`--min-hosts 1` applies when the job restarts"),
+    (["--hosts", "2", "--nic", "1gbit", "--max-restarts", "1", "--min-hosts", "3"], "`--min-hosts 3` must be between 1"),
+])
+def test_min_hosts_needs_a_cluster_restarts_and_a_count_it_has(flags, message, capsys, monkeypatch):
+    monkeypatch.setattr(cluster, "check_privileges", lambda: None)
+    assert cli.main(["launch", *flags, "--", "jdp", "train", "--checkpoint-dir", "c"]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(missing is not None, reason=f"no emulated cluster here: {missing}")
+def test_a_host_lost_for_good_is_named_and_the_job_goes_on_without_it(tmp_path):
+    """Host 1's link cut for good at step 6: both processes end within the collective timeout, each naming
+    the host it lost; the restart leaves host 1 out and the job ends on host 0 from the checkpoint of step 4."""
+    done = launched(tmp_path, "--inject", "cut:1@6", "--max-restarts", "1", "--min-hosts", "1",
+                    where=("--hosts", "2", "--nic", "1gbit"), train=("--collective-timeout", "5"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[p0] jdp: error: process 1 (on " in done.stderr and "at 198.18.0.2) of 2 stopped responding" in done.stderr
+    assert "[p1] jdp: error: the coordinator, process 0 of 2 at 198.18.0.1:" in done.stderr
+    assert "jdp launch: host 1 (198.18.0.2) does not answer" in done.stderr
+    assert ("restart 1 of 1, leaving out host 1 (198.18.0.2) (no answer; 1 of 2 hosts go on, `--min-hosts 1`): "
+            "1 process(es) with --resume") in done.stderr
+    assert "jdp launch: starting 1 process(es) on host 0 (198.18.0.1)" in done.stderr
+    assert "resuming from" in done.stdout + done.stderr and "(step 4," in done.stdout + done.stderr
+    target = checkpoint_target(TrainConfig(batch_size=128))
+    assert checkpoint.restore_latest(tmp_path / "ckpt", target).step == 32
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(missing is not None, reason=f"no emulated cluster here: {missing}")
+def test_a_nic_slowed_100_times_mid_run_shows_in_the_step_times_and_fails_nothing(tmp_path):
+    """Host 1's NIC from 100mbit to 1mbit at step 28 of 32, under the default collective timeout: the job ends
+    with nothing restarted, history.json's per-process step times show the slower epoch, and the launcher's
+    traffic lines name host 1's NIC as the one whose queues overflowed."""
+    done = launched(tmp_path, "--inject", "slow:1@28:1mbit", where=("--hosts", "2", "--nic", "100mbit"),
+                    train=("--out", str(tmp_path / "out")))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "jdp launch: host 1's NIC slowed to 1mbit" in done.stderr
+    assert "restart" not in done.stderr and "failed" not in done.stderr and "error" not in done.stderr
+    epochs = json.loads((tmp_path / "out" / "history.json").read_text())["epochs"]
+    before, after = (e["process_step_s"] for e in epochs)
+    assert len(before) == len(after) == 2 and min(after) > 3 * max(before), (before, after)
+    dropped = {int(h): int(n) for h, n in re.findall(r"host (\d) \(198[^\n]*; its queues dropped (\d+) packets",
+                                                      done.stderr)}
+    assert dropped.get(1, 0) > dropped.get(0, 0), done.stderr

@@ -199,7 +199,7 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
         "forward their output prefixed [pI], and stop them all as soon as one fails. With --hosts H --nic RATE "
         "(as root): one process on each of H emulated hosts, network namespaces whose NICs are shaped to RATE "
         "each way and joined by a switch (docs/cluster.md).",
-        usage="jdp launch (--num-processes P | --hosts H --nic RATE [--cores-per-host C] [--delay MS]) "
+        usage="jdp launch (--num-processes P | --hosts H --nic RATE [--cores-per-host C] [--delay MS] [--min-hosts M]) "
         "[--cpu-devices-per-process N] [--timeout S] [--max-restarts N] [--inject SPEC ...] -- jdp train ...",
     )
     launch.add_argument("--num-processes", type=int, default=None, help="processes to start (on loopback)")
@@ -219,10 +219,13 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="when a process fails, stop the job and start all processes again with --resume from "
                         "the newest complete checkpoint, up to N times (the command needs --checkpoint-dir)")
+    cluster.add_argument("--min-hosts", type=int, default=None, metavar="M",
+                         help="with --hosts and --max-restarts: restart without the hosts that do not answer, "
+                         "as long as M hosts do (default: restart on every host)")
     launch.add_argument("--inject", action="append", default=[], metavar="SPEC",
                         help="make a fault at a training step, once (repeatable): kill:HOST@STEP, "
-                        "stop:HOST@STEP:SECONDS, and with --hosts cut:HOST@STEP:SECONDS, slow:HOST@STEP:RATE "
-                        "(docs/faults.md)")
+                        "stop:HOST@STEP:SECONDS, and with --hosts cut:HOST@STEP[:SECONDS] (no SECONDS: for good), "
+                        "slow:HOST@STEP:RATE (docs/faults.md)")
     launch.add_argument("job", nargs=argparse.REMAINDER, help="-- and the command, e.g. -- jdp train --epochs 1")
     launch.set_defaults(run=run_launch)
 
@@ -276,7 +279,7 @@ def run_train(args: argparse.Namespace) -> int:
             "config": settings,
             "devices": describe(devices),
             "jax_version": jax.__version__,
-            "epochs": [{**dataclasses.asdict(r), "bytes_sent": None if r.syncs is None else r.syncs * payload}
+            "epochs": [{**_epoch_fields(r), "bytes_sent": None if r.syncs is None else r.syncs * payload}
                        for r in history],  # bytes_sent: by each device, since the run began
             "allreduce_payload_bytes": payload,  # per device per allreduce: every step, or every sync
             "bytes_per_sync": payload,
@@ -339,6 +342,14 @@ def _train_and_log(args: argparse.Namespace, config: "TrainConfig", on: "tuple[D
     return history
 
 
+def _epoch_fields(record: "EpochRecord") -> dict:
+    """An epoch's record for history.json: each process's step time only where the job had several."""
+    fields = dataclasses.asdict(record)
+    if fields["process_step_s"] is None:
+        del fields["process_step_s"]
+    return fields
+
+
 def run_launch(args: argparse.Namespace) -> int:
     from jdp.runtime import cluster, inject
     from jdp.runtime.launch import Job, launch
@@ -348,7 +359,7 @@ def run_launch(args: argparse.Namespace) -> int:
         raise ConfigError("`jdp launch` needs a command after `--`, e.g. `jdp launch --num-processes 2 -- jdp train`.")
     plan = None
     if args.hosts is None:
-        extra = [name for name in ("nic", "cores_per_host", "delay") if getattr(args, name) is not None]
+        extra = [name for name in ("nic", "cores_per_host", "delay", "min_hosts") if getattr(args, name) is not None]
         if extra:
             raise ConfigError(f"`{extra[0]}` describes an emulated cluster: add `hosts=H`.")
         if args.num_processes is None:
@@ -364,7 +375,7 @@ def run_launch(args: argparse.Namespace) -> int:
         cluster.check_privileges()
     faults = tuple(inject.parse(spec) for spec in args.inject)
     return launch(Job(job, args.num_processes or args.hosts, args.cpu_devices_per_process, cluster=plan,
-                      faults=faults), timeout=args.timeout, max_restarts=args.max_restarts)
+                      faults=faults, min_hosts=args.min_hosts), timeout=args.timeout, max_restarts=args.max_restarts)
 
 
 class _ToStderr(logging.StreamHandler):

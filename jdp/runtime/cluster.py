@@ -22,9 +22,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from jdp.errors import ConfigError, DeviceError, check_positive
@@ -35,6 +36,8 @@ SUBNET = "198.18.0"  # /24 of RFC 2544's 198.18.0.0/15: host i is .(i+1)
 MAX_HOSTS = 250
 NIC = "eth0"  # each host's interface, inside its namespace
 BRIDGE = "br0"  # the switch, inside the switch namespace
+MANAGER = f"{SUBNET}.254"  # the switch's own address, from which the launcher checks that each host answers
+PROBE_S = 1.0  # how long a host may take to answer
 NETNS_ETC = Path("/etc/netns")  # `ip netns exec NAME` bind-mounts /etc/netns/NAME/* over /etc/*
 QUEUE_LATENCY = "100ms"  # tbf's queue: the longest a packet may wait (a NIC's buffer)
 BURST_S = 0.001  # tbf's bucket: a millisecond of traffic at RATE (at least BURST_MIN bytes)
@@ -114,7 +117,8 @@ class Plan:
         """The `ip` and `tc` commands that build the cluster, in order; each acts inside one of its namespaces."""
         sw = self.switch
         commands = [["ip", "netns", "add", sw], ["ip", "-n", sw, "link", "set", "lo", "up"],
-                    ["ip", "-n", sw, "link", "add", BRIDGE, "type", "bridge"], ["ip", "-n", sw, "link", "set", BRIDGE, "up"]]
+                    ["ip", "-n", sw, "link", "add", BRIDGE, "type", "bridge"], ["ip", "-n", sw, "link", "set", BRIDGE, "up"],
+                    ["ip", "-n", sw, "addr", "add", f"{MANAGER}/24", "dev", BRIDGE]]
         for h in self.hosts:
             ns = h.namespace
             commands += [
@@ -151,6 +155,21 @@ class Plan:
         return [["tc", "-n", h.namespace, "qdisc", "change", "dev", NIC, *where, *tbf],
                 ["tc", "-n", self.switch, "qdisc", "change", "dev", h.port, "root", *tbf]]
 
+    def probe_command(self) -> list[str]:
+        """A command that prints, as a JSON list, whether each host answers the switch within PROBE_S."""
+        return ["ip", "netns", "exec", self.switch, sys.executable, "-c", _PROBE,
+                json.dumps([h.address for h in self.hosts]), str(PROBE_S)]
+
+    def keep(self, indices: Sequence[int]) -> "Plan":
+        """The plan with only hosts `indices` (in that order): a job started again without lost hosts. It
+        runs in the same namespaces; host `indices[0]` runs the coordinator."""
+        return replace(self, hosts=tuple(self.hosts[i] for i in indices))
+
+    def named(self, index: int) -> str:
+        """`host 1 (198.18.0.2)`: the host of process `index`, by its number in the whole cluster."""
+        h = self.hosts[index]
+        return f"host {h.index} ({h.address})"
+
     def hosts_files(self) -> dict[Path, str]:
         """Each host's /etc/hosts: localhost, and this machine's hostname at the host's own address."""
         return {NETNS_ETC / h.namespace / "hosts": f"127.0.0.1 localhost\n{h.address} {self.hostname}\n"
@@ -164,6 +183,33 @@ class Plan:
     def environment(self) -> dict[str, str]:
         """Variables the launched processes read to know the cluster (`jdp bench allreduce` records them)."""
         return {ENV_HOSTS: str(len(self.hosts)), ENV_NIC_BPS: str(self.rate_bps)}
+
+
+_PROBE = """
+import concurrent.futures, json, socket, sys
+def answers(address):
+    try:
+        socket.create_connection((address, 9), timeout=float(sys.argv[2])).close()
+    except ConnectionRefusedError:
+        return True  # its kernel refused the port: the host is there
+    except OSError:
+        return False  # no answer in time, or no route to it
+    return True
+addresses = json.loads(sys.argv[1])
+with concurrent.futures.ThreadPoolExecutor(len(addresses)) as pool:
+    print(json.dumps(list(pool.map(answers, addresses))))
+"""
+
+
+def answering(p: Plan) -> list[bool]:
+    """Whether each host of `p` answers the switch now (a TCP connection refused or accepted within
+    PROBE_S): False for a host whose link is cut or that is gone. All True where the probe cannot run."""
+    result = _run(p.probe_command())
+    try:
+        answers = json.loads(result.stdout)
+    except json.JSONDecodeError:
+        return [True] * len(p.hosts)
+    return [bool(a) for a in answers]
 
 
 def from_environment(environ: dict[str, str] | None = None) -> tuple[int, int] | None:
@@ -369,17 +415,27 @@ def traffic(p: Plan) -> list[dict]:
         stats = link.get("stats64", link.get("stats", {}))
         rows.append({"host": h.index, "namespace": h.namespace, "address": h.address,
                      "sent_bytes": stats.get("tx", {}).get("bytes", 0), "received_bytes": stats.get("rx", {}).get("bytes", 0),
-                     "shaped_out_bytes": _tbf_bytes(h.namespace, NIC), "shaped_in_bytes": _tbf_bytes(p.switch, h.port)})
+                     **_shaped(h.namespace, NIC, "out"), **_shaped(p.switch, h.port, "in")})
     return rows
 
 
-def _tbf_bytes(namespace: str, device: str) -> int:
+def _shaped(namespace: str, device: str, way: str) -> dict[str, int]:
+    """The bytes `device`'s tbf passed, and the packets it dropped (its queue full: the link was the bottleneck)."""
     qdiscs = json.loads(_run(["tc", "-n", namespace, "-s", "-j", "qdisc", "show", "dev", device]).stdout or "[]")
-    return sum(q.get("bytes", 0) for q in qdiscs if q.get("kind") == "tbf")
+    tbf = [q for q in qdiscs if q.get("kind") == "tbf"]
+    return {f"shaped_{way}_bytes": sum(q.get("bytes", 0) for q in tbf),
+            f"dropped_{way}_packets": sum(q.get("drops", 0) for q in tbf)}
 
 
 def describe_traffic(rows: Sequence[dict], rate_bps: int) -> list[str]:
-    """One line per host: `host 0 (198.18.0.1): sent 8.5 MB, received 8.5 MB through its 100mbit NIC (tbf ...)`."""
-    return [f"host {r['host']} ({r['address']}): sent {r['sent_bytes'] / 1e6:.2f} MB, received "
-            f"{r['received_bytes'] / 1e6:.2f} MB through its {format_rate(rate_bps)} NIC (shaped: "
-            f"{r['shaped_out_bytes'] / 1e6:.2f} MB out, {r['shaped_in_bytes'] / 1e6:.2f} MB in)" for r in rows]
+    """One line per host: `host 0 (198.18.0.1): sent 8.5 MB, received 8.5 MB through its 100mbit NIC (tbf ...)`,
+    with the packets its NIC's queues dropped: in a synchronous job every process waits for the slowest link,
+    so the step times are alike everywhere, and a degraded NIC shows as the one whose queue overflowed."""
+    lines = []
+    for r in rows:
+        dropped = r["dropped_out_packets"] + r["dropped_in_packets"]
+        lines.append(f"host {r['host']} ({r['address']}): sent {r['sent_bytes'] / 1e6:.2f} MB, received "
+                     f"{r['received_bytes'] / 1e6:.2f} MB through its {format_rate(rate_bps)} NIC (shaped: "
+                     f"{r['shaped_out_bytes'] / 1e6:.2f} MB out, {r['shaped_in_bytes'] / 1e6:.2f} MB in)"
+                     + (f"; its queues dropped {dropped} packets: a bottleneck" if dropped else ""))
+    return lines

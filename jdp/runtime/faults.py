@@ -21,6 +21,7 @@ The heartbeat timeout of `jax.distributed` is set above the collective timeout
 import json
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from jdp.errors import ProcessLostError
 from jdp.runtime import inject
@@ -109,18 +111,22 @@ def stall_cause(waited: float, timeout: float | None, started: bool, limit: floa
     return f"no step finished for {waited:.0f} s ({which})"
 
 
-def describe_loss(cause: str, stopped: list[int], behind: list[int], board: dict[int, dict[str, Any]],
-                  process_count: int, step: int, checkpoint: str | None) -> str:
-    """The one line: which processes, what happened, the step, the last checkpoint and how to go on.
+def describe_loss(cause: str, lost: tuple[list[int], list[int]], board: dict[int, dict[str, Any]],
+                  process_count: int, step: int, checkpoint: str | None, coordinator: str | None = None) -> str:
+    """The one line: which processes on which hosts, what happened, the step, the last checkpoint and how to go on.
 
-    `cause` is e.g. "a collective failed (Connection reset by peer)"; `board` the progress read last.
+    `cause` is e.g. "a collective failed (Connection reset by peer)"; `lost` is `lost_processes`'s
+    (stopped, behind); `board` the progress read last, whose `host` names each process's host;
+    `coordinator` the coordinator's address, named when it cannot be reached.
     """
+    stopped, behind = lost
     if stopped:
-        who = f"process{'es' if len(stopped) > 1 else ''} {_listed(stopped)} of {process_count} stopped responding"
+        who = f"process{'es' if len(stopped) > 1 else ''} {_listed(stopped, board)} of {process_count} stopped responding"
     elif behind:
-        who = f"process{'es' if len(behind) > 1 else ''} {_listed(behind)} of {process_count} did not arrive"
+        who = f"process{'es' if len(behind) > 1 else ''} {_listed(behind, board)} of {process_count} did not arrive"
     elif not board:
-        who = f"the coordinator, process 0 of {process_count}, cannot be reached"
+        at = f" at {coordinator}" if coordinator else ""
+        who = f"the coordinator, process 0 of {process_count}{at}, cannot be reached"
     else:
         who = f"a process of {process_count} failed"
     times = ", ".join(f"p{p} {board[p]['step_s']:.2g} s" for p in sorted(board) if board[p].get("step_s") is not None)
@@ -129,8 +135,19 @@ def describe_loss(cause: str, stopped: list[int], behind: list[int], board: dict
             f"Rerun the job with `resume=True` to go on from it; this process ends (exit status {EXIT_PROCESS_LOST}).")
 
 
-def _listed(ids: list[int]) -> str:
-    return ", ".join(str(p) for p in ids)
+def _listed(ids: list[int], board: dict[int, dict[str, Any]]) -> str:
+    """`1 (on box at 198.18.0.2)`: each process, with its host where it published one."""
+    return ", ".join(f"{p} (on {board[p]['host']})" if board.get(p, {}).get("host") else str(p) for p in ids)
+
+
+def host_name() -> str:
+    """This process's host as the others know it: `NAME at ADDRESS` (the address its hostname resolves to,
+    which is what gloo advertises; an emulated host's own), or NAME where it does not resolve."""
+    name = socket.gethostname()
+    try:
+        return f"{name} at {socket.gethostbyname(name)}"
+    except OSError:
+        return name
 
 
 def send_native_logs_to(path: str | os.PathLike) -> None:
@@ -170,6 +187,13 @@ def _client() -> Any:
     return distributed.global_state.client
 
 
+def _coordinator_address() -> str | None:
+    """`HOST:PORT` of the job's coordinator (process 0), as this process was given it."""
+    from jax._src import distributed
+
+    return distributed.global_state.coordinator_address
+
+
 def _within(seconds: float, fn: Callable[[], Any]) -> Any:
     """`fn()`, or None if it raised or took longer than `seconds` (it may hang on a stopped peer)."""
     result: list[Any] = []
@@ -205,6 +229,7 @@ class JobWatch:
         self._recent: deque[tuple[float, int]] = deque(maxlen=RECENT)  # (time, step) of the last beats
         self._alive, self._stop = 0, threading.Event()
         self._faults = inject.for_process(self.process_id)  # `jdp launch --inject`'s, for this process
+        self.host = host_name()  # published with the progress, so a lost process's line names its host
         if self.active:
             for target in (self._publish, self._watchdog):
                 threading.Thread(target=target, daemon=True, name=f"jdp-{target.__name__[1:]}").start()
@@ -224,6 +249,15 @@ class JobWatch:
         """Seconds per step over the last RECENT beats (evaluation and saves included), None before."""
         (t0, s0), (t1, s1) = (self._recent[0], self._recent[-1]) if self._recent else ((0, 0), (0, 0))
         return (t1 - t0) / (s1 - s0) if s1 > s0 else None
+
+    def step_seconds_everywhere(self, mine: float) -> list[float] | None:
+        """Every process's seconds per step, given this process's `mine` (a collective: every process calls
+        it), in process order; None with one process. A degraded link shows here (history.json)."""
+        if not self.active:
+            return None
+        from jax.experimental import multihost_utils
+
+        return [float(s) for s in np.asarray(multihost_utils.process_allgather(np.float64(mine)))]
 
     def limit(self) -> float:
         """The current collective limit in seconds (`collective_limit`)."""
@@ -253,12 +287,13 @@ class JobWatch:
     def _describe(self, cause: str) -> str:
         before = self._board()
         if before is None:  # the coordinator is gone or stopped: nobody can be told apart
-            return describe_loss(cause, [], [], {}, self.process_count, self.step, self.checkpoint)
+            return describe_loss(cause, ([], []), {}, self.process_count, self.step, self.checkpoint,
+                                 coordinator=_coordinator_address())
         time.sleep(1.5 * PUBLISH_S)
         after = self._board() or {}
-        stopped, behind = lost_processes(before, after, self.process_count) if after else ([], [])
-        self._leave(stopped)
-        return describe_loss(cause, stopped, behind, after, self.process_count, self.step, self.checkpoint)
+        lost = lost_processes(before, after, self.process_count) if after else ([], [])
+        self._leave(lost[0])
+        return describe_loss(cause, lost, after, self.process_count, self.step, self.checkpoint)
 
     def _leave(self, stopped: list[int]) -> None:
         """Says that this process ends. Process 0 first waits (at most LEAVE_S) for every process still
@@ -279,7 +314,8 @@ class JobWatch:
     def _publish(self) -> None:
         while not self._stop.wait(PUBLISH_S):
             self._alive += 1
-            record = json.dumps({"step": self.step, "alive": self._alive, "step_s": self.step_seconds()})
+            record = json.dumps({"step": self.step, "alive": self._alive, "step_s": self.step_seconds(),
+                                 "host": self.host})
             _within(READ_S, lambda: _client().key_value_set(f"{_KEY}{self.process_id}", record, allow_overwrite=True))
 
     def _watchdog(self) -> None:

@@ -7,6 +7,7 @@ SPEC (repeatable)          the fault
 kill:HOST@STEP             process HOST ends itself with SIGKILL once it has run step STEP
 stop:HOST@STEP:SECONDS     process HOST stops itself (SIGSTOP); the launcher continues it SECONDS later
 cut:HOST@STEP:SECONDS      host HOST's switch port down for SECONDS, then up (an emulated cluster)
+cut:HOST@STEP              host HOST's switch port down for the rest of the launch: a host lost for good
 slow:HOST@STEP:RATE        host HOST's NIC reshaped to RATE both ways for the rest of the job (an emulated cluster)
 =========================  ==========================================================================
 
@@ -32,13 +33,15 @@ from jdp.runtime.cluster import format_rate, parse_rate
 ENV = "JDP_INJECT"  # the JSON list of the specs a launched process is to make
 MARK = "jdp inject: "  # how a process's line announcing a fault starts
 _SPEC = re.compile(r"(kill|stop|cut|slow):(\d+)@(\d+)(?::(.+))?")
-_FORMS = "kill:HOST@STEP, stop:HOST@STEP:SECONDS, cut:HOST@STEP:SECONDS or slow:HOST@STEP:RATE"
+_FORMS = "kill:HOST@STEP, stop:HOST@STEP:SECONDS, cut:HOST@STEP[:SECONDS] or slow:HOST@STEP:RATE"
+_VALUE = {"kill": "none", "stop": "needed", "cut": "optional", "slow": "needed"}  # the form's last part
 _ON_CLUSTER = ("cut", "slow")  # faults of the network: only an emulated cluster has one to break
 
 
 @dataclass(frozen=True)
 class Fault:
-    """One fault: what, on which host (process), from which step, and its seconds or rate (bits/s)."""
+    """One fault: what, on which host (process), from which step, and its seconds or rate (bits/s); a cut
+    without seconds lasts for the rest of the launch."""
 
     kind: str
     host: int
@@ -48,8 +51,12 @@ class Fault:
     @property
     def spec(self) -> str:
         """The fault as `--inject` writes it."""
-        tail = {"stop": lambda: f":{self.value:g}", "cut": lambda: f":{self.value:g}",
-                "slow": lambda: f":{format_rate(self.value)}"}.get(self.kind, lambda: "")()
+        if self.value is None:
+            tail = ""
+        elif self.kind == "slow":
+            tail = f":{format_rate(self.value)}"
+        else:
+            tail = f":{self.value:g}"
         return f"{self.kind}:{self.host}@{self.step}{tail}"
 
 
@@ -66,7 +73,7 @@ def parse(spec: str) -> Fault:
     kind, host, step, value = match.group(1), int(match.group(2)), int(match.group(3)), match.group(4)
     if step < 1:
         raise ConfigError(f"`inject={spec}`: steps count from 1.")
-    if (kind == "kill") != (value is None):
+    if _VALUE[kind] != "optional" and (_VALUE[kind] == "none") != (value is None):
         raise ConfigError(f"`inject={spec}`: write it as one of {_FORMS}.")
     if kind == "slow":
         return Fault(kind, host, step, float(parse_rate(value)))

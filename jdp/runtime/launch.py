@@ -15,7 +15,9 @@ repeats (bad input, non-finite values). On a real cluster, the cluster's own lau
 With a `cluster` plan (`--hosts H --nic RATE`), the P = H processes run on an emulated cluster
 instead of loopback: process I inside host I's network namespace, pinned to its cores, the
 coordinator at host 0's address; the cluster is built before the first start, kept over restarts,
-and removed however the launcher ends (see `jdp.runtime.cluster`, docs/cluster.md).
+and removed however the launcher ends (see `jdp.runtime.cluster`, docs/cluster.md). When every
+process only saw another's loss, the launcher names the hosts that do not answer the switch; with
+`min_hosts` (`--min-hosts M`) a restart leaves them out, down to M hosts (docs/faults.md).
 """
 
 import os
@@ -69,6 +71,8 @@ class Job:
       cluster: the emulated cluster to run on (`jdp.runtime.cluster.plan`), one process per host;
         None: every process on 127.0.0.1.
       faults: faults to make at given steps (`jdp.runtime.inject`), each once per launch.
+      min_hosts: on a cluster, restart without the hosts that do not answer, down to this many (None: restart
+        on every host).
     """
 
     command: Sequence[str]
@@ -76,6 +80,7 @@ class Job:
     cpu_devices_per_process: int
     cluster: emulated.Plan | None = None
     faults: tuple[inject.Fault, ...] = ()
+    min_hosts: int | None = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +121,8 @@ def launch(
 
     Raises:
       ConfigError: for an empty command, P or N below 1, a command that sets the job flags itself,
-        restarts of a command without `--checkpoint-dir`, or P unlike the cluster's host count.
+        restarts of a command without `--checkpoint-dir`, P unlike the cluster's host count, or
+        `min_hosts` without a cluster and restarts, or outside 1..H.
       DeviceError: if the cluster cannot be built (no root, no `ip`/`tc`, no netem for a delay).
     """
     command, num_processes, cluster = job.command, job.num_processes, job.cluster
@@ -134,6 +140,7 @@ def launch(
         raise ConfigError(f"`max_restarts={max_restarts}` restarts the job from its newest checkpoint: the command "
                           "needs `--checkpoint-dir DIR` (and `--checkpoint-every STEPS` to lose no more than that).")
     inject.check(job.faults, num_processes, cluster is not None)
+    _check_min_hosts(job.min_hosts, cluster, max_restarts)
     if cluster is not None and len(cluster.hosts) != num_processes:
         raise ConfigError(f"`num_processes={num_processes}` must equal the emulated cluster's "
                           f"`hosts={len(cluster.hosts)}`: one process per host.")
@@ -161,27 +168,77 @@ def launch(
 def _launch(job: Job, timeout: float | None, max_restarts: int, output: _Output) -> int:
     """`launch`'s loop of starts and restarts; returns its exit status."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    num_processes = job.num_processes
-    attempt, made = 0, set()  # made: the specs of the faults already made (each once per launch)
+    attempt, made, run = 0, set(), job  # made: the specs of the faults already made (each once per launch)
     while True:
-        run = job if attempt == 0 else replace(job, command=with_resume(job.command))
-        run = replace(run, faults=tuple(f for f in job.faults if f.spec not in made))
+        run = replace(run, faults=tuple(f for f in job.faults if f.spec not in made and f.host < run.num_processes))
+        if run.cluster is not None:
+            output.say(f"starting {run.num_processes} process(es) on {_hosts(run.cluster, range(run.num_processes))}")
         pids, failure = _run_job(run, deadline, output, made)
         if failure is None:
             return 0
         index, code = failure
         if index is None:
-            output.say(f"the job timed out after {timeout:g} s; stopped all {num_processes} processes.")
+            output.say(f"the job timed out after {timeout:g} s; stopped all {run.num_processes} processes.")
             return 1
-        failed = f"process {index} (pid {pids[index]}) failed: {_describe(code)}; " \
-                 f"stopped the other {num_processes - 1} process(es)"
+        failed = _failed(run, pids, index, code)
         if attempt == max_restarts or code == NOT_RESTARTED:
-            output.say(f"{failed}{_how_to_go_on(job)}.")
+            output.say(f"{failed}{_how_to_go_on(run)}.")
             return code if code > 0 else 1
         attempt += 1
-        output.say(f"{failed}; restart {attempt} of {max_restarts}: all {num_processes} processes with --resume, "
-                   "from the newest complete checkpoint.")
+        run, left_out = _restarted(job, run)
+        if run is None:
+            output.say(f"{failed}; not restarted: {left_out}.")
+            return code if code > 0 else 1
+        which = f"{run.num_processes} process(es)" if left_out else f"all {run.num_processes} processes"
+        output.say(f"{failed}; restart {attempt} of {max_restarts}{left_out}: {which} with --resume, from the newest "
+                   "complete checkpoint.")
         time.sleep(RESTART_WAIT_S)
+
+
+def _failed(run: Job, pids: Sequence[int], index: int, code: int) -> str:
+    """What failed, and that the others were stopped. When every process only saw the loss of another
+    (`EXIT_PROCESS_LOST`) on an emulated cluster, the hosts that do not answer the switch are the cause."""
+    if run.cluster is not None and code == EXIT_PROCESS_LOST:
+        silent = [i for i, ok in enumerate(emulated.answering(run.cluster)) if not ok]
+        if silent:
+            return (f"{_hosts(run.cluster, silent)} {'does' if len(silent) == 1 else 'do'} not answer (a cut link or a "
+                    f"host gone); stopped all {run.num_processes} processes")
+    return f"process {index} (pid {pids[index]}) failed: {_describe(code)}; " \
+           f"stopped the other {run.num_processes - 1} process(es)"
+
+
+def _restarted(job: Job, run: Job) -> tuple[Job | None, str]:
+    """The job to start again, with `--resume`, and which hosts it leaves out (", leaving out ...", or "").
+    With `min_hosts`, on the hosts of the whole cluster that answer the switch now (a host back up rejoins);
+    (None, why) when fewer than `min_hosts` do."""
+    again = replace(run, command=with_resume(job.command))
+    if job.cluster is None or job.min_hosts is None:
+        return again, ""
+    answers = emulated.answering(job.cluster)
+    kept, silent = [i for i, ok in enumerate(answers) if ok], [i for i, ok in enumerate(answers) if not ok]
+    if len(kept) < job.min_hosts:
+        return None, (f"{_hosts(job.cluster, silent)} {'does' if len(silent) == 1 else 'do'} not answer, and "
+                      f"{len(kept)} host(s) are fewer than `--min-hosts {job.min_hosts}`")
+    left_out = (f", leaving out {_hosts(job.cluster, silent)} (no answer; {len(kept)} of {len(answers)} hosts go on, "
+                f"`--min-hosts {job.min_hosts}`)") if silent else ""
+    return replace(again, cluster=job.cluster.keep(kept), num_processes=len(kept)), left_out
+
+
+def _hosts(cluster: emulated.Plan, indices) -> str:
+    """`host 0 (198.18.0.1), host 2 (198.18.0.3)`: hosts of `cluster` by position."""
+    return ", ".join(cluster.named(i) for i in indices)
+
+
+def _check_min_hosts(min_hosts: int | None, cluster: emulated.Plan | None, max_restarts: int) -> None:
+    """Raises ConfigError unless `min_hosts` is None, or a count of the cluster's hosts with restarts to use it."""
+    if min_hosts is None:
+        return
+    if cluster is None:
+        raise ConfigError(f"`min_hosts={min_hosts}` leaves out hosts of an emulated cluster: add `hosts=H`.")
+    if not 1 <= min_hosts <= len(cluster.hosts):
+        raise ConfigError(f"`min_hosts={min_hosts}` must be between 1 and the cluster's {len(cluster.hosts)} hosts.")
+    if max_restarts == 0:
+        raise ConfigError(f"`min_hosts={min_hosts}` applies when the job restarts: add `max_restarts=N`.")
 
 
 def _how_to_go_on(job: Job) -> str:
@@ -326,9 +383,11 @@ def _make(fault: inject.Fault, proc: subprocess.Popen, cluster: emulated.Plan | 
         _later(fault.value, lambda: proc.send_signal(signal.SIGCONT) if proc.poll() is None else None,
                output, f"continued process {fault.host} after {fault.value:g} s stopped")
     elif fault.kind == "cut":
-        _on_link(cluster, [cluster.port_command(fault.host, up=False)], output, f"cut host {fault.host}'s link")
-        _later(fault.value, lambda: _on_link(cluster, [cluster.port_command(fault.host, up=True)], output,
-                                             f"host {fault.host}'s link back up after {fault.value:g} s"), output)
+        lasting = "" if fault.value is not None else " for the rest of the launch"
+        _on_link(cluster, [cluster.port_command(fault.host, up=False)], output, f"cut host {fault.host}'s link{lasting}")
+        if fault.value is not None:
+            _later(fault.value, lambda: _on_link(cluster, [cluster.port_command(fault.host, up=True)], output,
+                                                 f"host {fault.host}'s link back up after {fault.value:g} s"), output)
     elif fault.kind == "slow":
         _on_link(cluster, cluster.reshape_commands(fault.host, fault.value), output,
                  f"host {fault.host}'s NIC slowed to {emulated.format_rate(fault.value)}")

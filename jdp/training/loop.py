@@ -42,6 +42,7 @@ class EpochRecord:
     test_acc: float
     seconds: float  # wall time of the epoch's training loop only
     syncs: int | None = None  # allreduces of the model since the run began: every step, or a local mode's syncs
+    process_step_s: list[float] | None = None  # with several processes: each one's seconds per step, in process order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +138,7 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
     try:
         for epoch in range(keeper.epoch, config.epochs + 1):
             tally = place_tally(keeper.start_epoch(len(devices), leaves), devices, config.backend)
-            start = time.perf_counter()
+            start, steps_run = time.perf_counter(), steps_per_epoch - keeper.batches_done
             (*state, _), losses = run_epoch((*state, tally), jax.random.fold_in(data_key, epoch), hooks.progress,
                                             start=keeper.batches_done, after_call=after_call)
             seconds = time.perf_counter() - start
@@ -146,7 +147,8 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
                 hooks.on_steps(keeper.step - len(per_step) + 1, per_step / config.batch_size)
             state, test_acc = evaluate(tuple(state), model_of, dataset.test)
             record = EpochRecord(epoch, train_loss=float(keeper.epoch_loss()) / (steps_per_epoch * config.batch_size),
-                                 test_acc=test_acc, seconds=seconds, syncs=run.sync.syncs(keeper.step, last_step))
+                                 test_acc=test_acc, seconds=seconds, syncs=run.sync.syncs(keeper.step, last_step),
+                                 process_step_s=job.step_seconds_everywhere(seconds / steps_run))
             keeper.end_epoch(state, dataclasses.asdict(record), last=epoch == config.epochs)
             hooks.on_epoch(record)
         final = fetch(model_of(state), "replicated", config.backend)  # a local run ends with a sync: one model
