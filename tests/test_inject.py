@@ -143,15 +143,21 @@ def test_a_restart_leaves_out_the_hosts_that_do_not_answer_down_to_min_hosts(mon
     plan = cluster.plan(3, 10**8, launcher_pid=5, cores=[0], hostname="b")
     monkeypatch.setattr(cluster, "answering", lambda p: [h.index != 1 for h in p.hosts])
     job = launch.Job(["jdp", "train"], 3, 1, cluster=plan, min_hosts=2)
-    assert launch._failed(job, [10, 11, 12], 0, EXIT_PROCESS_LOST).startswith(
+    answers = launch._answers(job, EXIT_PROCESS_LOST)
+    assert answers == [True, False, True] and launch._answers(replace(job, cluster=None), EXIT_PROCESS_LOST) is None
+    assert launch._answers(replace(job, min_hosts=None), 1) is None  # a crash without --min-hosts asks nothing
+    assert launch._failed(job, job, ([10, 11, 12], 0, EXIT_PROCESS_LOST), answers).startswith(
         "host 1 (198.18.0.2) does not answer (a cut link or a host gone); stopped all 3 processes")
-    assert launch._failed(job, [10, 11, 12], 2, 1) == "process 2 (pid 12) failed: exit status 1; stopped the other 2 process(es)"
-    again, left_out = launch._restarted(job, job)
+    assert launch._failed(job, job, ([10, 11, 12], 2, 1), answers) == "process 2 (pid 12) failed: exit status 1; stopped the other 2 process(es)"
+    reduced = replace(job, cluster=plan.keep([0, 2]), num_processes=2)  # a restart already left out host 1
+    assert launch._failed(job, reduced, ([10, 12], 1, EXIT_PROCESS_LOST), answers).startswith(
+        "host 1 (198.18.0.2) does not answer (a cut link or a host gone); stopped all 2 processes")
+    again, left_out = launch._restarted(job, job, answers)
     assert again.num_processes == 2 and [h.index for h in again.cluster.hosts] == [0, 2]
     assert again.command[-1] == "--resume" and left_out.startswith(", leaving out host 1 (198.18.0.2) (no answer")
-    none, why = launch._restarted(replace(job, min_hosts=3), job)
+    none, why = launch._restarted(replace(job, min_hosts=3), job, answers)
     assert none is None and why == "host 1 (198.18.0.2) does not answer, and 2 host(s) are fewer than `--min-hosts 3`"
-    assert launch._restarted(replace(job, min_hosts=None), job)[0].num_processes == 3  # no --min-hosts: every host
+    assert launch._restarted(replace(job, min_hosts=None), job, None)[0].num_processes == 3  # no --min-hosts: every host
 
 
 @pytest.mark.parametrize(("flags", "message"), [

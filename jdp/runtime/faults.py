@@ -30,7 +30,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from jdp.errors import ProcessLostError
 from jdp.runtime import inject
@@ -229,7 +228,7 @@ class JobWatch:
         self._recent: deque[tuple[float, int]] = deque(maxlen=RECENT)  # (time, step) of the last beats
         self._alive, self._stop = 0, threading.Event()
         self._faults = inject.for_process(self.process_id)  # `jdp launch --inject`'s, for this process
-        self.host = host_name()  # published with the progress, so a lost process's line names its host
+        self.host = host_name() if self.active else ""  # published with the progress, named in a lost line
         if self.active:
             for target in (self._publish, self._watchdog):
                 threading.Thread(target=target, daemon=True, name=f"jdp-{target.__name__[1:]}").start()
@@ -249,15 +248,6 @@ class JobWatch:
         """Seconds per step over the last RECENT beats (evaluation and saves included), None before."""
         (t0, s0), (t1, s1) = (self._recent[0], self._recent[-1]) if self._recent else ((0, 0), (0, 0))
         return (t1 - t0) / (s1 - s0) if s1 > s0 else None
-
-    def step_seconds_everywhere(self, mine: float) -> list[float] | None:
-        """Every process's seconds per step, given this process's `mine` (a collective: every process calls
-        it), in process order; None with one process. A degraded link shows here (history.json)."""
-        if not self.active:
-            return None
-        from jax.experimental import multihost_utils
-
-        return [float(s) for s in np.asarray(multihost_utils.process_allgather(np.float64(mine)))]
 
     def limit(self) -> float:
         """The current collective limit in seconds (`collective_limit`)."""

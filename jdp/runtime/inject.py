@@ -34,7 +34,7 @@ ENV = "JDP_INJECT"  # the JSON list of the specs a launched process is to make
 MARK = "jdp inject: "  # how a process's line announcing a fault starts
 _SPEC = re.compile(r"(kill|stop|cut|slow):(\d+)@(\d+)(?::(.+))?")
 _FORMS = "kill:HOST@STEP, stop:HOST@STEP:SECONDS, cut:HOST@STEP[:SECONDS] or slow:HOST@STEP:RATE"
-_VALUE = {"kill": "none", "stop": "needed", "cut": "optional", "slow": "needed"}  # the form's last part
+_NO_VALUE, _VALUE_OPTIONAL = {"kill"}, {"cut"}  # kinds whose form has no last part, or may leave it out
 _ON_CLUSTER = ("cut", "slow")  # faults of the network: only an emulated cluster has one to break
 
 
@@ -73,7 +73,7 @@ def parse(spec: str) -> Fault:
     kind, host, step, value = match.group(1), int(match.group(2)), int(match.group(3)), match.group(4)
     if step < 1:
         raise ConfigError(f"`inject={spec}`: steps count from 1.")
-    if _VALUE[kind] != "optional" and (_VALUE[kind] == "none") != (value is None):
+    if kind not in _VALUE_OPTIONAL and (kind in _NO_VALUE) != (value is None):
         raise ConfigError(f"`inject={spec}`: write it as one of {_FORMS}.")
     if kind == "slow":
         return Fault(kind, host, step, float(parse_rate(value)))

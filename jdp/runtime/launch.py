@@ -180,12 +180,13 @@ def _launch(job: Job, timeout: float | None, max_restarts: int, output: _Output)
         if index is None:
             output.say(f"the job timed out after {timeout:g} s; stopped all {run.num_processes} processes.")
             return 1
-        failed = _failed(run, pids, index, code)
+        answers = _answers(job, code)
+        failed = _failed(job, run, (pids, index, code), answers)
         if attempt == max_restarts or code == NOT_RESTARTED:
             output.say(f"{failed}{_how_to_go_on(run)}.")
             return code if code > 0 else 1
         attempt += 1
-        run, left_out = _restarted(job, run)
+        run, left_out = _restarted(job, run, answers)
         if run is None:
             output.say(f"{failed}; not restarted: {left_out}.")
             return code if code > 0 else 1
@@ -195,33 +196,44 @@ def _launch(job: Job, timeout: float | None, max_restarts: int, output: _Output)
         time.sleep(RESTART_WAIT_S)
 
 
-def _failed(run: Job, pids: Sequence[int], index: int, code: int) -> str:
-    """What failed, and that the others were stopped. When every process only saw the loss of another
-    (`EXIT_PROCESS_LOST`) on an emulated cluster, the hosts that do not answer the switch are the cause."""
-    if run.cluster is not None and code == EXIT_PROCESS_LOST:
-        silent = [i for i, ok in enumerate(emulated.answering(run.cluster)) if not ok]
-        if silent:
-            return (f"{_hosts(run.cluster, silent)} {'does' if len(silent) == 1 else 'do'} not answer (a cut link or a "
-                    f"host gone); stopped all {run.num_processes} processes")
+def _answers(job: Job, code: int) -> list[bool] | None:
+    """Which hosts of the whole cluster answer the switch, asked once after a failure; None when nothing asks
+    (no cluster, or neither a lost process to explain nor `--min-hosts` to choose hosts by)."""
+    if job.cluster is None or (code != EXIT_PROCESS_LOST and job.min_hosts is None):
+        return None
+    return emulated.answering(job.cluster)
+
+
+def _failed(job: Job, run: Job, failure: tuple[Sequence[int], int, int], answers: list[bool] | None) -> str:
+    """What failed (`failure`: the pids, which process, its exit code), and that the others were stopped. When
+    every process only saw the loss of another (`EXIT_PROCESS_LOST`) on an emulated cluster, the hosts that do
+    not answer the switch (`answers`, of the whole cluster) are the cause."""
+    pids, index, code = failure
+    silent = [i for i, ok in enumerate(answers or []) if not ok]
+    if job.cluster is not None and code == EXIT_PROCESS_LOST and silent:
+        return f"{_silent(job.cluster, silent)} (a cut link or a host gone); stopped all {run.num_processes} processes"
     return f"process {index} (pid {pids[index]}) failed: {_describe(code)}; " \
            f"stopped the other {run.num_processes - 1} process(es)"
 
 
-def _restarted(job: Job, run: Job) -> tuple[Job | None, str]:
+def _restarted(job: Job, run: Job, answers: list[bool] | None) -> tuple[Job | None, str]:
     """The job to start again, with `--resume`, and which hosts it leaves out (", leaving out ...", or "").
-    With `min_hosts`, on the hosts of the whole cluster that answer the switch now (a host back up rejoins);
-    (None, why) when fewer than `min_hosts` do."""
+    With `min_hosts`, on the hosts of the whole cluster that answer the switch now (`answers`: a host back up
+    rejoins); (None, why) when fewer than `min_hosts` do."""
     again = replace(run, command=with_resume(job.command))
-    if job.cluster is None or job.min_hosts is None:
+    if job.cluster is None or job.min_hosts is None or answers is None:
         return again, ""
-    answers = emulated.answering(job.cluster)
     kept, silent = [i for i, ok in enumerate(answers) if ok], [i for i, ok in enumerate(answers) if not ok]
     if len(kept) < job.min_hosts:
-        return None, (f"{_hosts(job.cluster, silent)} {'does' if len(silent) == 1 else 'do'} not answer, and "
-                      f"{len(kept)} host(s) are fewer than `--min-hosts {job.min_hosts}`")
+        return None, f"{_silent(job.cluster, silent)}, and {len(kept)} host(s) are fewer than `--min-hosts {job.min_hosts}`"
     left_out = (f", leaving out {_hosts(job.cluster, silent)} (no answer; {len(kept)} of {len(answers)} hosts go on, "
                 f"`--min-hosts {job.min_hosts}`)") if silent else ""
     return replace(again, cluster=job.cluster.keep(kept), num_processes=len(kept)), left_out
+
+
+def _silent(cluster: emulated.Plan, indices: Sequence[int]) -> str:
+    """`host 1 (198.18.0.2) does not answer`, or `... do not answer` for several."""
+    return f"{_hosts(cluster, indices)} {'does' if len(indices) == 1 else 'do'} not answer"
 
 
 def _hosts(cluster: emulated.Plan, indices) -> str:

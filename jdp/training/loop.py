@@ -16,7 +16,7 @@ import numpy as np
 from jdp import models
 from jdp.data import Dataset, Split
 from jdp.errors import ConfigError, JdpError, moved_arguments
-from jdp.parallel.layout import copies, fetch, map_over_devices, place, to_host
+from jdp.parallel.layout import copies, fetch, map_over_devices, per_process, place, to_host
 from jdp.parallel.step import TrainStep
 from jdp.parallel.sync import make_consensus, make_sync
 from jdp.runtime import faults
@@ -148,7 +148,7 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
             state, test_acc = evaluate(tuple(state), model_of, dataset.test)
             record = EpochRecord(epoch, train_loss=float(keeper.epoch_loss()) / (steps_per_epoch * config.batch_size),
                                  test_acc=test_acc, seconds=seconds, syncs=run.sync.syncs(keeper.step, last_step),
-                                 process_step_s=job.step_seconds_everywhere(seconds / steps_run))
+                                 process_step_s=_step_seconds_everywhere(job, seconds / steps_run))
             keeper.end_epoch(state, dataclasses.asdict(record), last=epoch == config.epochs)
             hooks.on_epoch(record)
         final = fetch(model_of(state), "replicated", config.backend)  # a local run ends with a sync: one model
@@ -244,3 +244,9 @@ def _same_on_every_device(model: models.Model) -> Callable[[PyTree], PyTree]:
     if model.per_replica_state:
         return lambda variables: models.trainable(model, variables)
     return lambda variables: variables
+
+
+def _step_seconds_everywhere(job: faults.JobWatch, mine: float) -> list[float] | None:
+    """Every process's seconds per step in process order (a collective: every process calls it); None with
+    one process. A slowed job shows here (history.json)."""
+    return per_process(np.float64(mine)).tolist() if job.active else None
