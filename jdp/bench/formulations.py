@@ -34,13 +34,12 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jdp.bench.machine import machine
 from jdp.errors import ConfigError, check_positive
 from jdp.flags import add_device_flags, check_out_dir, setup_devices
 from jdp.models import get as get_model
-from jdp.models import lenet, lenet_fast, precision, summed_cross_entropy
+from jdp.models import Model, lenet, lenet_fast, precision, summed_cross_entropy
 from jdp.models.lenet import Params
 from jdp.models.lenet_fast import (
     conv_low_precision_forward_gradients,
@@ -50,10 +49,11 @@ from jdp.models.lenet_fast import (
     patches,
 )
 from jdp.parallel.inflight import repeat_step
-from jdp.parallel.layout import replicate, split_batch
-from jdp.parallel.step import make_train_step
+from jdp.parallel.layout import split_batch
 from jdp.runtime.machine_kind import this_kind
 from jdp.training import formulation as auto_table
+from jdp.training.build import build_run
+from jdp.training.config import TrainConfig
 
 # `--write-table` adopts a formulation over `fast` only if its median speed-up is at least this
 MARGIN = 0.05
@@ -178,14 +178,16 @@ def time_formulations(names: list[str], devices: Sequence[jax.Device], *, batch_
                       rounds: int) -> dict[str, list[float]]:
     """Seconds per step of each formulation's data-parallel SGD step on `devices` (jdp's train step, psum,
     at most 2 steps in flight, as `jdp train` runs it), one list entry per round."""
-    optimizer = optax.sgd(0.2 / batch_size)
     params = lenet.init(jax.random.key(0))
     images = jax.random.uniform(jax.random.key(1), (batch_size, 1, 28, 28))
     labels = jax.random.randint(jax.random.key(2), (batch_size,), 0, 10)
     x, y = split_batch(images, labels, devices)
-    state = {name: (replicate(params, devices), replicate(optimizer.init(params), devices)) for name in names}
-    stepped = {name: make_train_step(summed_cross_entropy(FORMULATIONS[name][1]), optimizer, "psum", devices)
-               for name in names}
+    candidates = {name: Model(lenet.init, summed_cross_entropy(FORMULATIONS[name][1]), FORMULATIONS[name][1],
+                              name=f"lenet-{name}") for name in names}
+    runs = {name: build_run(TrainConfig(batch_size=batch_size, lr=0.2 / batch_size, model=model), devices)
+            for name, model in candidates.items()}  # the components `train` builds, once per formulation
+    state = {name: run.placed(*run.initial_state(params, jax.random.key(3))) for name, run in runs.items()}
+    stepped = {name: run.step() for name, run in runs.items()}
     for name, step in stepped.items():
         state[name] = jax.block_until_ready(repeat_step(step, state[name], x, y, 1))
     seconds: dict[str, list[float]] = {name: [] for name in names}

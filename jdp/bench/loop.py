@@ -32,9 +32,9 @@ from jdp.errors import check_positive
 from jdp.flags import add_device_flags, check_out_dir, setup_devices
 from jdp.models import Model, summed_cross_entropy
 from jdp.parallel.inflight import repeat_step
-from jdp.parallel.layout import replicate, split_batch
-from jdp.parallel.step import make_train_step
+from jdp.parallel.layout import split_batch
 from jdp.training import tally
+from jdp.training.build import build_run
 from jdp.training.config import TrainConfig
 from jdp.training.feeders import CallPlan, make_epoch_runner
 from jdp.training.loop import EpochRecord, Hooks, train
@@ -63,11 +63,11 @@ def bench_loop(devices: Sequence[jax.Device], *, batch_size: int = 32, steps: in
     model = tiny_mlp(hidden)
     dataset = data.synthetic(jax.random.key(0), n_train=steps * batch_size, n_test=len(devices))
     config = TrainConfig(batch_size=batch_size, lr=0.05, epochs=rounds + 1, model=model)
-    optimizer = config.build_optimizer()
-    step = make_train_step(model.loss, optimizer, "psum", devices)
+    run = build_run(config, devices)  # the components `train` builds, once
+    step = run.step()
     params = model.init(jax.random.key(1))
     x, y = split_batch(dataset.train.images[:batch_size], dataset.train.labels[:batch_size], devices)
-    state = replicate(params, devices), replicate(optimizer.init(params), devices)
+    state = run.placed(*run.initial_state(params, jax.random.key(2)))
     times: dict[str, list[float]] = {"train_s": [], "bare_s": [], "windowed_s": [], "runner_s": []}
     run_epoch = make_epoch_runner(step, dataset.train, devices, batch_size, "pmap", plan=CallPlan(1, True))
 

@@ -1,13 +1,13 @@
 """`jdp bench memory`: bytes per device of params, gradients and optimizer state, replicated vs sharded.
 
 For each model, optimizer and device count k, the arrays a train step holds between steps are built
-on the devices exactly as `jdp.train` builds them: the params replicated (`jdp.replicate`), the
-optimizer state replicated or sharded (`jdp.parallel.opt_state.init_sharded`), and the reduced gradients
+on the devices by what `jdp.train` builds them with (`jdp.training.build.build_run`): the params replicated, the
+optimizer state replicated or sharded (`TrainConfig(shard_optimizer=True)`), and the reduced gradients
 as the reduction leaves them (`lax.psum` of every leaf, or `psum_scatter` of the flat buffers).
 Bytes per device are read off the arrays: the `nbytes` of each addressable shard on that device,
 summed; the largest device is reported. Nothing is computed from a formula. Beside them, the
 optimizer state of DiLoCo (`--sync diloco`): each device's own inner state, plus the global params θ
-and the outer Nesterov momentum, replicated (`jdp.parallel.opt_state.OptState`, placed as `train` does).
+and the outer Nesterov momentum, replicated (`TrainConfig(sync="diloco")`, placed as `train` does).
 
 Step time, sharded vs replicated, is measured in the same run for the models of `--time-models`
 (interleaved repeats, median), as a ratio: on a shared machine only ratios from one run compare.
@@ -28,15 +28,14 @@ from jdp import data, models
 from jdp.bench.machine import machine, where
 from jdp.errors import ConfigError, check_positive
 from jdp.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
-from jdp.parallel import sync
 from jdp.parallel.buckets import plan
 from jdp.parallel.collectives import psum_scatter
 from jdp.parallel.inflight import repeat_step
 from jdp.parallel.layout import map_over_devices, replicate, split_batch
-from jdp.parallel.opt_state import OptState, init_sharded
-from jdp.parallel.step import make_sharded_step, make_train_step
 from jdp.runtime.devices import AXIS
 from jdp.training import optimizers
+from jdp.training.build import BuiltRun, build_run
+from jdp.training.config import TrainConfig
 
 MODES = ("replicated", "sharded")
 
@@ -78,47 +77,46 @@ def bytes_per_device(tree: Any, devices: Sequence[jax.Device]) -> int:
     return max(held.values())
 
 
+def built(model: models.Model, optimizer_name: str, devices: Sequence[jax.Device], **settings: Any) -> BuiltRun:
+    """The run `train` would build for `model` and `optimizer_name` (lr 1e-3) on `devices`, with `settings`
+    (`shard_optimizer=True`, `sync="diloco"`, ...)."""
+    return build_run(TrainConfig(model=model, optimizer=optimizer_name, lr=1e-3, **settings), devices)
+
+
 def held_arrays(model: models.Model, variables: Any, optimizer_name: str, devices: Sequence[jax.Device],
                 sharded: bool) -> dict:
     """The params, reduced gradients and optimizer state of a step on `devices`, on the devices."""
-    optimizer = optimizers.make(optimizer_name, 1e-3)
-    params = models.trainable(model, variables)
-    grads = replicate(jax.tree.map(np.zeros_like, params), devices)  # each device's local gradient sum
+    run = built(model, optimizer_name, devices, shard_optimizer=sharded)
+    params, state = run.placed(*run.initial_state(variables, jax.random.key(0)))
+    trainable = models.trainable(model, variables)
+    grads = replicate(jax.tree.map(np.zeros_like, trainable), devices)  # each device's local gradient sum
     if sharded:
-        flat = plan(params, len(devices))
+        flat = plan(trainable, len(devices))
         (reduced,) = map_over_devices(lambda g: ([psum_scatter(b, AXIS) for b in flat.flatten(g)],), devices,
                                       "pmap", ("replicated",), ("per_device",))(grads)
-        state = init_sharded(optimizer, params, devices)
     else:
         (reduced,) = map_over_devices(lambda g: (jax.lax.psum(g, AXIS),), devices, "pmap", ("replicated",),
                                       ("replicated",))(grads)
-        state = replicate(optimizer.init(params), devices)
-    return {"params": replicate(variables, devices), "grads": reduced, "opt_state": state}
+    return {"params": params, "grads": reduced, "opt_state": state}
 
 
 def diloco_opt_state(model: models.Model, variables: Any, optimizer_name: str, devices: Sequence[jax.Device]) -> Any:
-    """DiLoCo's optimizer state on `devices`: the inner state per device, θ and the outer momentum replicated."""
-    params = models.trainable(model, variables)
-    diloco = sync.from_settings("diloco", None)
-    opt = OptState(optimizers.make(optimizer_name, 1e-3), params, len(devices), local=True,
-                   sync_init=diloco.init)
-    return opt.place(opt.init(params, jax.random.key(0)), list(devices), "pmap")
+    """DiLoCo's optimizer state on `devices`: the inner state per device, θ and the outer momentum replicated.
+    A model with state besides its params (BatchNorm) has none: `--sync diloco` refuses it."""
+    run = built(model, optimizer_name, devices, sync="diloco")
+    return run.placed(*run.initial_state(variables, jax.random.key(0)))[1]
 
 
 def step_seconds(model: models.Model, variables: Any, optimizer_name: str, devices: Sequence[jax.Device],
                  timing: Timing) -> dict[str, list[float]]:
     """Seconds per step of the replicated and the sharded step, their repeats interleaved."""
-    optimizer = optimizers.make(optimizer_name, 1e-3)
     split = data.synthetic(jax.random.key(0), n_train=timing.batch_size, n_test=1).train
     x, y = split_batch(split.images, split.labels, devices)
-    params = models.trainable(model, variables)
     runs = {}
     for mode in MODES:
-        sharded = mode == "sharded"
-        step = (make_sharded_step if sharded else make_train_step)(model, optimizer, "psum", devices)
-        state = (replicate(variables, devices),
-                 init_sharded(optimizer, params, devices) if sharded
-                 else replicate(optimizer.init(params), devices))
+        run = built(model, optimizer_name, devices, shard_optimizer=mode == "sharded")
+        step = run.step()
+        state = run.placed(*run.initial_state(variables, jax.random.key(0)))
         runs[mode] = [step, repeat_step(step, state, x, y, 2), []]  # warm-up: compile
     for _ in range(timing.repeats):
         for run in runs.values():
@@ -145,7 +143,7 @@ def bench_memory(devices: Sequence[jax.Device], model_names: Sequence[str], opti
                     held = {part: bytes_per_device(tree, devices[:k]) for part, tree in arrays.items()}
                     samples = timed.get(mode)
                     diloco = (bytes_per_device(diloco_opt_state(model, variables, optimizer_name, devices[:k]),
-                                               devices[:k]) if mode == "replicated" else None)
+                                               devices[:k]) if mode == "replicated" and not model.stateful else None)
                     rows.append({"model": model_name, "optimizer": optimizer_name, "k": k, "mode": mode,
                                  "params_bytes": held["params"], "grads_bytes": held["grads"],
                                  "opt_state_bytes": held["opt_state"], "total_bytes": sum(held.values()),
@@ -171,7 +169,9 @@ def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _mb(n: int) -> str:
+def _mb(n: int | None) -> str:
+    if n is None:
+        return "—"
     return f"{n / 2**20:.3f}" if n < 2**20 else f"{n / 2**20:.1f}"
 
 

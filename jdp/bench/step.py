@@ -14,18 +14,18 @@ import time
 from collections.abc import Sequence
 
 import jax
-import optax
 
 from jdp import data
 from jdp.bench.allreduce import add_algorithms_flag, check_algorithms
 from jdp.bench.machine import machine, where
 from jdp.errors import check_positive
 from jdp.flags import add_backend_flag, add_device_flags, check_out_dir, load_plugins, setup_devices
-from jdp.models import lenet, summed_cross_entropy
+from jdp.models import lenet
 from jdp.parallel import allreduce
 from jdp.parallel.inflight import repeat_step
-from jdp.parallel.layout import check_divisible, replicate, split_batch
-from jdp.parallel.step import make_train_step
+from jdp.parallel.layout import check_divisible, split_batch
+from jdp.training.build import build_run
+from jdp.training.config import TrainConfig
 from jdp.training.profile import Profiler
 
 
@@ -83,14 +83,14 @@ def bench_step(
                for name in dict.fromkeys(["psum", *algorithms]) for fuse in (False, True)]
     split = data.synthetic(jax.random.key(0), n_train=batch_size, n_test=1).train
     x, y = split_batch(split.images, split.labels, devices, backend)
-    optimizer = optax.sgd(0.2)
     params = lenet.init(jax.random.key(0))
-    loss_fn = summed_cross_entropy(lenet.apply)
     runs, traces = [], tempfile.TemporaryDirectory(prefix="jdp-bench-step-")
     for strategy in configs:
         profiler = Profiler(f"{traces.name}/{strategy.name}", 1, steps, len(devices), strategy)
-        step = make_train_step(loss_fn, optimizer, strategy, devices, backend=backend, segment=profiler.segment)
-        state = tuple(replicate(t, devices, backend) for t in (params, optimizer.init(params)))
+        config = TrainConfig(batch_size=batch_size, formulation="reference", allreduce=strategy, backend=backend)
+        run = build_run(config, devices)  # the components `train` builds (sgd, lr 0.2), once per strategy
+        step = run.step(segment=profiler.segment)
+        state = run.placed(*run.initial_state(params, jax.random.key(1)))
         state = _time_steps(step, state, x, y, 2)[0]  # warm-up: compile
         runs.append([step, state, [], profiler])
     for _ in range(repeats):

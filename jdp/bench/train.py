@@ -26,9 +26,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from jdp import data, models
+from jdp import data
 from jdp.bench import baselines
 from jdp.bench.machine import machine
 from jdp.errors import ConfigError, check_positive
@@ -36,9 +35,10 @@ from jdp.flags import add_device_flags, check_out_dir, load_plugins, setup_devic
 from jdp.models import lenet, precision
 from jdp.models.lenet_fast import FORMULATIONS
 from jdp.parallel.inflight import repeat_step
-from jdp.parallel.layout import replicate, split_batch
-from jdp.parallel.step import make_train_step
+from jdp.parallel.layout import split_batch
 from jdp.runtime.machine_kind import this_kind
+from jdp.training.build import build_run
+from jdp.training.config import TrainConfig
 from jdp.training.feeders import CallPlan, make_epoch_runner
 from jdp.training.formulation import read_cache, resolve
 from jdp.training.tally import place_tally, start
@@ -120,14 +120,14 @@ def prepare(
     returns {"floor_s", "epoch_s", "floor_cpu_s", "epoch_cpu_s"}: wall-clock and CPU time (this process,
     all threads). The state carries over from round to round, as in training.
     """
-    optimizer = optax.sgd(0.2)
-    model = precision.mixed(models.get("lenet", impl=formulation), precision_name)
-    step = make_train_step(model.loss, optimizer, "psum", devices)
+    config = TrainConfig(batch_size=batch_size, formulation=formulation, precision=precision_name)  # sgd, lr 0.2
+    run = build_run(config, devices)  # the components `train` builds, once
+    step = run.step()
     part = data.Split(split.images[:steps * batch_size], split.labels[:steps * batch_size])
     run_epoch = make_epoch_runner(step, part, devices, batch_size, plan=CallPlan(steps_per_call))
     x, y = split_batch(part.images[:batch_size], part.labels[:batch_size], devices)
     params = lenet.init(jax.random.key(0))
-    state = replicate(params, devices), replicate(optimizer.init(params), devices)
+    state = run.placed(*run.initial_state(params, jax.random.key(1)))
     tally = place_tally(start(0, [0.0] * len(devices), len(jax.tree.leaves(params))), devices, "pmap")
 
     def floor(state, count):

@@ -12,11 +12,13 @@ import jax
 
 from jdp import models
 from jdp.models import Model
+from jdp.parallel.layout import copies, fetch, place
 from jdp.parallel.opt_state import OptState
 from jdp.parallel.step import Segment, TrainStep, make_local_step, make_sharded_step, make_train_step
 from jdp.parallel.strategy import Allreduce
 from jdp.parallel.sync import Sync
 from jdp.training.config import TrainConfig
+from jdp.types import PyTree
 
 if TYPE_CHECKING:
     import optax
@@ -52,6 +54,24 @@ class BuiltRun:
         make = make_sharded_step if config.shard_optimizer else make_train_step
         return make(self.model, self.optimizer, self.strategy, self.devices, config.backend,
                     accumulate=config.accumulate, **hooks)
+
+    def initial_state(self, variables: PyTree, key: jax.Array) -> tuple[PyTree, PyTree]:
+        """(params, opt_state) before step 1, in their host form (what a checkpoint holds): the model's
+        `variables` (a local sync: one copy per device, each then its own) and the optimizer state, a
+        stateful strategy's seeded by `key`."""
+        params = copies(variables, len(self.devices)) if self.sync.local else variables
+        return params, self.opt.init(models.trainable(self.model, variables), key)
+
+    def placed(self, params: PyTree, opt_state: PyTree) -> tuple[PyTree, PyTree]:
+        """The host form (`initial_state`, or a checkpoint's) on the devices, as the step takes it."""
+        backend = self.config.backend
+        return (place(params, self.sync.params_kind, self.devices, backend),
+                self.opt.place(opt_state, list(self.devices), backend))
+
+    def to_host(self, params: PyTree, opt_state: PyTree) -> tuple[PyTree, PyTree]:
+        """The inverse of `placed`: the host form (a collective with several processes)."""
+        backend = self.config.backend
+        return fetch(params, self.sync.params_kind, backend), self.opt.to_host(opt_state, backend)
 
 
 def build_run(config: TrainConfig, devices: Sequence[jax.Device]) -> BuiltRun:

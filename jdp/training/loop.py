@@ -16,7 +16,7 @@ import numpy as np
 from jdp import models
 from jdp.data import Dataset, Split
 from jdp.errors import ConfigError, JdpError, moved_arguments
-from jdp.parallel.layout import copies, fetch, map_over_devices, per_process, place, to_host
+from jdp.parallel.layout import fetch, map_over_devices, per_process, to_host
 from jdp.parallel.step import TrainStep
 from jdp.parallel.sync import make_consensus, make_sync
 from jdp.runtime import faults
@@ -173,18 +173,13 @@ def _started(run: BuiltRun, dataset: Dataset, checkpoints: Checkpoints | None, c
                          comparable=lambda step: not sync.local or sync.due(step, last_step))
     described = None if checkpoints is None else describe_run(
         config.to_dict(), dataset, k, per_device_state=opt.per_device_strategy_state or opt.local)
-    keeper = Keeper(checkpoints, described, len(dataset.train.labels) // config.batch_size, watch,
-                    lambda params, opt_state: (fetch(params, sync.params_kind, config.backend),
-                                               opt.to_host(opt_state, config.backend)),
+    keeper = Keeper(checkpoints, described, len(dataset.train.labels) // config.batch_size, watch, run.to_host,
                     jax.random.key_data(data_key), job)
-    arrays = {"params": copies(params, k) if sync.local else params,  # local: each device's own
-              "opt_state": opt.init(models.trainable(model, params), jax.random.fold_in(init_key, 1)),
-              "data_key": keeper.data_key}
+    start, opt_state = run.initial_state(params, jax.random.fold_in(init_key, 1))
+    arrays = {"params": start, "opt_state": opt_state, "data_key": keeper.data_key}
     if checkpoints is not None and checkpoints.resume:
         arrays = keeper.resume(arrays, config.epochs)
-    state = (place(arrays["params"], sync.params_kind, run.devices, config.backend),
-             opt.place(arrays["opt_state"], run.devices, config.backend))
-    return keeper, state, jax.random.wrap_key_data(arrays["data_key"])
+    return keeper, run.placed(arrays["params"], arrays["opt_state"]), jax.random.wrap_key_data(arrays["data_key"])
 
 
 def _epoch_end(run: BuiltRun) -> Callable[[tuple[PyTree, PyTree], Callable, Split], tuple[tuple, float]]:
