@@ -87,6 +87,20 @@ def add_optimizer_flags(parser: argparse.ArgumentParser) -> None:
                         f"{', '.join(allreduce_names(halves=True))}, or a plugin's)")
 
 
+def add_steps_per_call_flag(parser: argparse.ArgumentParser, help: str) -> None:
+    """`--steps-per-call S`: a positive number, or auto (`jdp.training.feeders.AUTO`, the default)."""
+    parser.add_argument("--steps-per-call", type=_steps_per_call, default="auto", metavar="S", help=help)
+
+
+def _steps_per_call(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of steps or auto, got {text!r}") from None
+
+
 def load_plugins(modules: list[str]) -> None:
     """Imports each `--plugin` module (they register their models and strategies when imported).
 

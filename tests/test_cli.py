@@ -36,7 +36,7 @@ def test_train_synthetic_end_to_end(tmp_path):
     assert history["formulation"]["requested"] == "auto"
     assert result.stdout.startswith("formulation: fast (user table (formulations.json): tests/conftest.py: pinned)\n")
     assert [e["epoch"] for e in history["epochs"]] == [1, 2]
-    assert set(history["epochs"][0]) == {"epoch", "train_loss", "test_acc", "seconds", "syncs", "bytes_sent"}
+    assert set(history["epochs"][0]) == {"epoch", "train_loss", "test_acc", "seconds", "syncs", "bytes_sent", "steps_per_call"}
     assert isinstance(history["jax_version"], str)
     assert (tmp_path / "out" / "accuracy.png").stat().st_size > 1000
 
@@ -50,6 +50,7 @@ def test_train_synthetic_end_to_end(tmp_path):
         (["--lr", "-1"], "`--lr` must be positive"),
         (["--epochs", "0"], "`--epochs` must be a positive integer"),
         (["--allreduce", "nope"], "Unknown allreduce strategy `nope`"),
+        (["--steps-per-call", "0"], "`--steps-per-call` must be a positive integer, got 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
@@ -61,6 +62,14 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
         code, err = code.returncode, code.stderr
     assert code == 2
     assert err.strip().count("\n") == 0 and message in err and "Traceback" not in err
+
+
+def test_steps_per_call_is_a_number_or_auto_on_the_command_line(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["train", "--dataset", "synthetic", "--steps-per-call", "many"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.strip().count("\n") == 0
+    assert "--steps-per-call: expected a number of steps or auto, got 'many'" in err
 
 
 def test_library_names_are_printed_as_the_commands_flags():

@@ -12,7 +12,8 @@ from jdp.parallel import allreduce
 from jdp.parallel.layout import replicate, split_batch, unreplicate
 from jdp.parallel.step import make_train_step
 from jdp.training import feeders as pipeline
-from jdp.training import tally
+from jdp.training import loop, tally
+from jdp.training.config import TrainConfig
 
 BATCH = 32
 OPTIMIZER = sgd(0.2)
@@ -104,3 +105,37 @@ def test_scanned_steps_equal_unrolled_steps(split, devices):
     np.testing.assert_allclose(got_tally.loss, want_tally.loss, rtol=1e-6)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-8, err_msg=name)
+
+
+@pytest.mark.parametrize(("step_seconds", "steps"), [(70e-6, 16), (0.5e-3, 8), (1e-3, 4), (2e-3, 2), (3e-3, 1), (30e-3, 1), (float("inf"), 1)])
+def test_auto_steps_per_call_makes_a_call_of_about_4_ms(step_seconds, steps):
+    assert pipeline.auto_steps_per_call(step_seconds) == steps
+
+
+def test_the_steady_step_time_skips_the_compiling_calls_and_needs_enough_of_them():
+    paced = [(0.0, 1), (5.0, 1)] + [(5.0 + 0.002 * i, 2) for i in range(1, 9)]  # two slow first calls, then 2 ms
+    assert loop._steady_step_seconds(paced) == pytest.approx(0.001)
+    assert loop._steady_step_seconds(paced[:9]) == float("inf")  # 7 timed calls: too few
+
+
+@pytest.mark.parametrize(("strategy", "chosen"), [("psum", 4), ("manual", 1)])
+def test_auto_steps_per_call_groups_later_epochs_and_changes_no_result(devices, monkeypatch, strategy, chosen):
+    """Epoch 1 runs a step per call; from epoch 2, the chooser's count where the step allows it (a collective
+    strategy; `manual` copies between calls, so it stays 1). Grouped or not, the params are bit-identical."""
+    monkeypatch.setattr(loop, "auto_steps_per_call", lambda seconds: 4)  # the measured time varies; the wiring not
+    dataset = data.synthetic(jax.random.key(1), n_train=640, n_test=8)
+    runs = {}
+    for steps_per_call in ("auto", 1):
+        config = TrainConfig(batch_size=32, lr=0.05, epochs=3, model=MODEL, allreduce=strategy,
+                             steps_per_call=steps_per_call)
+        params, history = loop.train(config, dataset, devices[:2])
+        runs[steps_per_call] = params, [record.steps_per_call for record in history]
+    assert runs["auto"][1] == [1, chosen, chosen] and runs[1][1] == [1, 1, 1]
+    for a, b in zip(jax.tree.leaves(runs["auto"][0]), jax.tree.leaves(runs[1][0]), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.mark.parametrize("value", ["fast", 0, 2.5])
+def test_steps_per_call_is_a_positive_integer_or_auto(value):
+    with pytest.raises(ConfigError, match="`steps_per_call`"):
+        TrainConfig(steps_per_call=value)

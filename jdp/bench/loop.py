@@ -4,13 +4,14 @@ On a CPU the lesson's LeNet takes tens of milliseconds a step and hides whatever
 steps; a GPU takes half a millisecond, and there the loop's own work (reading values back, Python per
 step) decides the speed. A tiny MLP on a CPU shows the same thing on any machine. Per round:
 
-(a) train: `jdp.train`'s steady-state seconds per step (an epoch's training loop, after the first epoch);
+(a) train: `jdp.train`'s steady-state seconds per step (an epoch's training loop, after the first epoch), with
+    its default `steps_per_call="auto"`: steps this short run several to a compiled call from the second epoch;
 (b) bare: a bare Python loop over the same compiled train step on one batch already on the devices,
     dispatching without waiting and blocking once at the end: the least a loop can cost;
 (c) windowed: (b) with the bounded window of in-flight steps that the loop keeps (`jdp.parallel.inflight`);
-(d) runner: the epoch runner that `jdp.train` calls (`jdp.training.feeders`), alone: the same compiled call per
-    step (the batch's rows fetched on the devices, the step, the tally folded), without the guards, the
-    checkpoint keeper or the job watch.
+(d) runner: the epoch runner that `jdp.train` calls (`jdp.training.feeders`), alone, at the steps per call
+    `train` chose: the same compiled calls (the batches' rows fetched on the devices, the steps, the tally
+    folded), without the guards, the checkpoint keeper or the job watch.
 
 Rounds interleave them, and each keeps its fastest, so load from other processes biases them alike. The
 figure of merit is train / bare (target <= 1.3). It splits into runner / bare, what the device does beyond the
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 from jdp import data
 from jdp.bench.machine import machine
 from jdp.errors import check_positive
-from jdp.flags import add_device_flags, check_out_dir, setup_devices
+from jdp.flags import add_device_flags, add_steps_per_call_flag, check_out_dir, setup_devices
 from jdp.models import Model, summed_cross_entropy
 from jdp.parallel.inflight import repeat_step
 from jdp.parallel.layout import split_batch
@@ -58,11 +59,11 @@ def tiny_mlp(hidden: int = 32) -> Model:
 
 
 def bench_loop(devices: Sequence[jax.Device], *, batch_size: int = 32, steps: int = 1000, rounds: int = 3,
-               hidden: int = 32) -> dict[str, Any]:
+               hidden: int = 32, steps_per_call: int | str = "auto") -> dict[str, Any]:
     """Times (a) `jdp.train` per step, (b) a bare loop and (c) a windowed loop, interleaved; returns the record."""
     model = tiny_mlp(hidden)
     dataset = data.synthetic(jax.random.key(0), n_train=steps * batch_size, n_test=len(devices))
-    config = TrainConfig(batch_size=batch_size, lr=0.05, epochs=rounds + 1, model=model)
+    config = TrainConfig(batch_size=batch_size, lr=0.05, epochs=rounds + 1, model=model, steps_per_call=steps_per_call)
     run = build_run(config, devices)  # the components `train` builds, once
     step = run.step()
     params = model.init(jax.random.key(1))
@@ -77,9 +78,10 @@ def bench_loop(devices: Sequence[jax.Device], *, batch_size: int = 32, steps: in
             params, opt_state, _ = step(params, opt_state, x, y)
         return jax.block_until_ready((params, opt_state))
 
-    def runner(state: tuple[Any, Any]) -> tuple[Any, Any]:
+    def runner(state: tuple[Any, Any], steps_per_call: int = 1) -> tuple[Any, Any]:
         fresh = tally.place_tally(tally.start(0, [0.0] * len(devices), len(jax.tree.leaves(params))), devices, "pmap")
-        (*state, _), _ = run_epoch((*state, fresh), jax.random.key(2), lambda calls, total: calls)
+        (*state, _), _ = run_epoch((*state, fresh), jax.random.key(2), lambda calls, total: calls,
+                                   steps_per_call=steps_per_call)
         return jax.block_until_ready(tuple(state))
 
     def timed(name: str, run: Any) -> None:
@@ -90,16 +92,23 @@ def bench_loop(devices: Sequence[jax.Device], *, batch_size: int = 32, steps: in
 
     state = runner(repeat_step(step, bare(state, 2), x, y, 2))  # compile each
 
+    chosen: list[int] = []  # train's steps per call, each round
+
     def on_epoch(record: EpochRecord) -> None:  # each epoch after the first is a round
+        nonlocal state
         if record.epoch > 1:
             times["train_s"].append(record.seconds / steps)
+            if record.steps_per_call not in chosen:
+                state = runner(state, record.steps_per_call)  # compile it
+            chosen.append(record.steps_per_call)
             timed("bare_s", lambda s: bare(s, steps))
             timed("windowed_s", lambda s: repeat_step(step, s, x, y, steps))
-            timed("runner_s", runner)
+            timed("runner_s", lambda s: runner(s, record.steps_per_call))
 
     train(config, dataset, devices, hooks=Hooks(on_epoch=on_epoch))
     best = {name: min(values) for name, values in times.items()}
     return {"model": model.name, "batch_size": batch_size, "steps": steps, "devices": len(devices), "rounds": times,
+            "train_steps_per_call": chosen,
             "seconds_per_step": best, "train_vs_bare": best["train_s"] / best["bare_s"],
             "train_vs_windowed": best["train_s"] / best["windowed_s"], "runner_vs_bare": best["runner_s"] / best["bare_s"],
             "train_vs_runner": best["train_s"] / best["runner_s"], "target_train_vs_bare": TARGET}
@@ -107,12 +116,13 @@ def bench_loop(devices: Sequence[jax.Device], *, batch_size: int = 32, steps: in
 
 def format_table(records: Sequence[dict[str, Any]], header: str) -> str:
     """One line per device count: microseconds per step of each loop, and the ratios."""
-    lines = [header, f"{'devices':>7} {'train us':>9} {'bare us':>8} {'windowed us':>11} {'runner us':>9} "
+    lines = [header, f"{'devices':>7} {'S':>3} {'train us':>9} {'bare us':>8} {'windowed us':>11} {'runner us':>9} "
                      f"{'train/bare':>10} {'runner/bare':>11} {'train/runner':>12}  target train/bare <= {TARGET}"]
     for r in records:
         us = {name: seconds * 1e6 for name, seconds in r["seconds_per_step"].items()}
         met = "met" if r["train_vs_bare"] <= TARGET else "NOT met"
-        lines.append(f"{r['devices']:>7} {us['train_s']:>9.1f} {us['bare_s']:>8.1f} {us['windowed_s']:>11.1f} "
+        per_call = "/".join(str(n) for n in sorted(set(r["train_steps_per_call"])))
+        lines.append(f"{r['devices']:>7} {per_call:>3} {us['train_s']:>9.1f} {us['bare_s']:>8.1f} {us['windowed_s']:>11.1f} "
                      f"{us['runner_s']:>9.1f} {r['train_vs_bare']:>9.2f}x {r['runner_vs_bare']:>10.2f}x "
                      f"{r['train_vs_runner']:>11.2f}x  {met}")
     return "\n".join(lines)
@@ -132,6 +142,8 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=1000, help="steps per epoch and per timed loop")
     p.add_argument("--rounds", type=int, default=3, help="rounds (epochs after the first), fastest kept")
     p.add_argument("--hidden", type=int, default=32, help="the MLP's hidden width")
+    add_steps_per_call_flag(p, "jdp train's steps per compiled call: auto (its default) or a number (1: one step "
+                               "per call)")
     p.add_argument("--out", default=None, metavar="DIR", help="write bench_loop.json here")
     p.set_defaults(run=run_loop_bench)
 
@@ -144,7 +156,7 @@ def run_loop_bench(args: argparse.Namespace) -> int:
     before = machine()
     counts = sorted({k for k in (1, len(devices)) if args.batch_size % k == 0})
     records = [bench_loop(devices[:k], batch_size=args.batch_size, steps=args.steps, rounds=args.rounds,
-                          hidden=args.hidden) for k in counts]
+                          hidden=args.hidden, steps_per_call=args.steps_per_call) for k in counts]
     header = (f"jdp bench loop: {records[0]['model']}, global batch {args.batch_size}, {args.steps} steps per "
               f"measurement, fastest of {args.rounds} rounds, {devices[0].platform}, "
               f"load average {' '.join(before['load_average'])}")

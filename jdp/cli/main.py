@@ -23,6 +23,7 @@ from jdp.flags import (
     add_device_flags,
     add_job_flags,
     add_optimizer_flags,
+    add_steps_per_call_flag,
     check_out_dir,
     load_plugins,
     setup_devices,
@@ -127,8 +128,10 @@ def _add_data_and_model_flags(train: argparse.ArgumentParser) -> None:
                        "measured for this machine kind and device count, else fast; a resumed run keeps its "
                        "checkpoint's), fast, split-2/split-4 (each device's batch in independent chunks), or "
                        "reference (the lesson's); --model-impl is its earlier name (docs/performance.md)")
-    train.add_argument("--steps-per-call", type=int, default=1, metavar="S",
-                       help="train steps per compiled call (unrolled); needs a collective allreduce strategy")
+    add_steps_per_call_flag(train, "train steps per compiled call (S > 1 needs a collective allreduce strategy); "
+                            "auto: 1, then, from the second epoch, enough for a call of about 4 ms (at most 16) "
+                            "where steps are that short and the step allows it; the grouping changes no result "
+                            "(docs/performance.md)")
     train.add_argument("--precision", default="float32", choices=list(PRECISIONS),
                        help="compute dtype of the forward and backward passes; params, optimizer state, loss, "
                        "gradients and their allreduce stay float32 (docs/performance.md)")

@@ -17,6 +17,7 @@ from jdp.parallel.step import check_strategy
 from jdp.parallel.strategy import Allreduce
 from jdp.training import formulation, optimizers
 from jdp.training.evaluate import EVAL_ON
+from jdp.training.feeders import AUTO
 from jdp.types import PyTree
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class TrainConfig:
     model: str | Model = "lenet"  # a registered name (jdp.model_names()) or your own Model
     formulation: str = "fast"  # model "lenet": a key of jdp.models.lenet_fast.FORMULATIONS, or "auto" (jdp.training.formulation)
     batchnorm: str | None = None  # for models with BatchNorm: "sync" (default) or "per-replica" (jdp.models)
-    steps_per_call: int = 1  # train steps per compiled call (unrolled); > 1 needs a collective strategy
+    steps_per_call: int | str = "auto"  # train steps per compiled call; "auto": from the measured step time
     backend: str = "pmap"  # "pmap" or "shard_map": how the step is mapped over the devices (jdp.parallel.layout)
     compress: str = "none"  # a mode of jdp.parallel.compress.MODES: none, bf16, fp16, bf16-wire, fp16-wire, powersgd
     powersgd_rank: int | None = None  # with compress "powersgd": the rank of its factors; None: 1
@@ -68,7 +69,9 @@ class TrainConfig:
                                   f"`{self.formulation}`; pass `formulation` alone.")
             object.__setattr__(self, "formulation", model_impl)
         formulation.check(self.formulation)
-        for name in ("batch_size", "epochs", "steps_per_call", "accumulate"):
+        if self.steps_per_call != AUTO and not isinstance(self.steps_per_call, int):
+            raise ConfigError(f"`steps_per_call` must be a positive integer or `{AUTO}`, got `{self.steps_per_call}`.")
+        for name in ("batch_size", "epochs", "accumulate", *(("steps_per_call",) * (self.steps_per_call != AUTO))):
             check_positive(name, getattr(self, name))
         if self.warmup_steps < 0:
             raise ConfigError(f"`warmup_steps` must be >= 0, got {self.warmup_steps}.")
@@ -90,10 +93,10 @@ class TrainConfig:
         check_strategy(self.strategy(), [], self.backend, self.shard_optimizer)
         sync = self.build_sync()
         if sync.local:
-            refused = {"shard_optimizer": (False, "keeps one slice of identical params per device"),
-                       "steps_per_call": (1, "runs several steps in one call, with no sync between them")}
-            for name, (default, why) in refused.items():
-                if getattr(self, name) != default:
+            refused = {"shard_optimizer": ((False,), "keeps one slice of identical params per device"),
+                       "steps_per_call": ((1, AUTO), "runs several steps in one call, with no sync between them")}
+            for name, (fine, why) in refused.items():
+                if getattr(self, name) not in fine:
                     raise ConfigError(f"`{name}={getattr(self, name)}` {why}; `sync={sync.name}` keeps different "
                                       f"params on each device between syncs. Drop `{name}` or use `sync=every-step`.")
             if model.stateful:

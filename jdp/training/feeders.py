@@ -46,12 +46,16 @@ from jdp.runtime.devices import AXIS
 from jdp.training.tally import Fold, Tally, make_fold
 from jdp.types import PyTree
 
+AUTO = "auto"  # steps_per_call chosen from the measured time of a step (`auto_steps_per_call`)
+CALL_SECONDS = 4e-3  # auto: calls of about this long keep the per-call work a few percent of the time
+MAX_AUTO_STEPS = 16  # auto: at most this many steps per call (an unrolled call compiles in time ∝ its steps)
+
 Carry = tuple[PyTree, PyTree, Tally]  # (params, opt_state, tally) on the devices
 Progress = Callable[[Iterable, int], Iterable]
 # after_call(steps, carry): called after each compiled call of `steps` steps is dispatched (guards, checkpoints)
 AfterCall = Callable[[int, Carry], None]
-# run_epoch(carry, key, progress, start=0, after_call=None) -> (carry, losses): losses the per-device losses of
-# each call, (k,) or (k, S), still on the devices
+# run_epoch(carry, key, progress, start=0, after_call=None, steps_per_call=None) -> (carry, losses): losses the
+# per-device losses of each call, (k,) or (k, S), still on the devices
 EpochRunner = Callable[..., tuple[Carry, list[jax.Array]]]
 
 
@@ -89,6 +93,20 @@ def fits_on_devices(split: Split, devices: Sequence[jax.Device], fraction: float
     return limit is not None and per_device <= fraction * limit
 
 
+def auto_steps_per_call(step_seconds: float) -> int:
+    """Steps per call for steps of `step_seconds` each: the power of 2 that makes a call last about CALL_SECONDS,
+    at most MAX_AUTO_STEPS. A step of a few milliseconds (the LeNet on a CPU) keeps 1: nothing to amortise."""
+    steps = 1
+    while steps < MAX_AUTO_STEPS and 2 * steps * step_seconds <= CALL_SECONDS:
+        steps *= 2
+    return steps
+
+
+def several_steps_per_call(traceable: bool, backend: Backend) -> bool:
+    """Whether a call may run several steps: a step traceable inside `jax.jit`, mapped by `pmap`, in one process."""
+    return traceable and backend == "pmap" and jax.process_count() == 1
+
+
 class CallPlan(NamedTuple):
     """How an epoch's steps become compiled calls, and where their batches come from.
 
@@ -122,41 +140,52 @@ def make_epoch_runner(step: TrainStep, split: Split, devices: Sequence[jax.Devic
     Returns:
       run_epoch(carry, key, progress, start=0, after_call=None) -> (carry, losses). `carry` is
       (params, opt_state, tally); params and opt_state are donated. `key` draws the epoch's permutation;
-      `progress(iterable, total)` wraps the calls (e.g. a progress bar). The epoch starts at batch `start`
-      (a multiple of `steps_per_call`, so the calls are those of an uninterrupted epoch);
-      `after_call(steps, carry)` is called after each call's dispatch. `losses`: each call's per-device
-      losses on the devices, (k,) or (k, S); the tally holds their sums.
+      `progress(iterable, total)` wraps the calls (e.g. a progress bar). The epoch starts at batch `start`;
+      `after_call(steps, carry)` is called after each call's dispatch; `steps_per_call` overrides the
+      plan's for this epoch (how the steps are grouped into calls does not change what they compute).
+      `losses`: each call's per-device losses on the devices, (k,) or (k, S); the tally holds their sums.
 
     Raises:
       ConfigError: for settings the feeders cannot run (named by their flags).
     """
-    steps_per_call, traceable, resident = plan
-    check_positive("steps_per_call", steps_per_call)
-    if steps_per_call > 1 and not traceable:
-        raise ConfigError(
-            f"`steps_per_call={steps_per_call}` runs several steps in one compiled call, which needs a "
-            "collective allreduce strategy (traceable inside `jax.jit`). Use `steps_per_call=1` or `allreduce=psum`."
-        )
+    traceable, resident = plan.traceable, plan.resident
     single_pmap = backend == "pmap" and jax.process_count() == 1
-    if steps_per_call > 1 and not single_pmap:
-        raise ConfigError(
-            f"`steps_per_call={steps_per_call}` is implemented for `backend=pmap` in a single process; "
-            "use `steps_per_call=1` with `backend=shard_map` or several processes."
-        )
     if resident and not single_pmap:
         raise ConfigError("Data resident on the devices needs `backend=pmap` in a single process.")
     steps = len(split.labels) // batch_size
 
-    def calls(start: int) -> list[int]:
+    def calls(start: int, steps_per_call: int | None) -> tuple[int, list[int]]:
+        """The steps per call (`steps_per_call`, None: the plan's), and the steps of each call of an epoch from
+        batch `start`: that many each, then what is left."""
+        per_call = _checked_steps_per_call(plan.steps_per_call if steps_per_call is None else steps_per_call,
+                                           traceable, backend)
         left = steps - start
-        return [steps_per_call] * (left // steps_per_call) + [left % steps_per_call] * bool(left % steps_per_call)
+        return per_call, [per_call] * (left // per_call) + [left % per_call] * bool(left % per_call)
+
+    calls(0, None)  # refuses a plan the feeders cannot run, now
 
     if resident is None:
         resident = single_pmap and fits_on_devices(split, devices)
     parts = Parts(step, make_fold(devices, backend, params_kind), unrolled=devices[0].platform == "cpu")
     if resident:
         return _resident_runner(parts, split, devices, batch_size, calls, traceable)
-    return _host_runner(parts, split, devices, batch_size, backend, calls, steps_per_call > 1)
+    return _host_runner(parts, split, devices, batch_size, backend, calls)
+
+
+def _checked_steps_per_call(steps_per_call: int, traceable: bool, backend: Backend) -> int:
+    """`steps_per_call`, or a ConfigError naming why the feeders cannot run that many steps in one call."""
+    check_positive("steps_per_call", steps_per_call)
+    if steps_per_call > 1 and not traceable:
+        raise ConfigError(
+            f"`steps_per_call={steps_per_call}` runs several steps in one compiled call, which needs a "
+            "collective allreduce strategy (traceable inside `jax.jit`). Use `steps_per_call=1` or `allreduce=psum`."
+        )
+    if steps_per_call > 1 and not several_steps_per_call(traceable, backend):
+        raise ConfigError(
+            f"`steps_per_call={steps_per_call}` is implemented for `backend=pmap` in a single process; "
+            "use `steps_per_call=1` with `backend=shard_map` or several processes."
+        )
+    return steps_per_call
 
 
 class Parts(NamedTuple):
@@ -224,7 +253,8 @@ def _resident_runner(parts, split, devices, batch_size, calls, traceable) -> Epo
     p_chunk = jax.jit(chunk, static_argnames="length", donate_argnums=0)
 
     def run_epoch(carry: Carry, key: jax.Array, progress: Progress, start: int = 0,
-                  after_call: AfterCall | None = None) -> tuple[Carry, list[jax.Array]]:
+                  after_call: AfterCall | None = None,
+                  steps_per_call: int | None = None) -> tuple[Carry, list[jax.Array]]:
         order, t = p_order(replicate(jax.random.key_data(key), devices))
         position = {"t": t + start}  # the next batch's index, on the devices
 
@@ -237,13 +267,13 @@ def _resident_runner(parts, split, devices, batch_size, calls, traceable) -> Epo
             x, y, position["t"] = p_fetch(images, labels, order, position["t"])
             return parts.one(carry, x, y)
 
-        calls_left = calls(start)
+        _, calls_left = calls(start, steps_per_call)
         return _run_calls(carry, progress(calls_left, len(calls_left)), run_call, after_call)
 
     return run_epoch
 
 
-def _host_runner(parts, split, devices, batch_size, backend, calls, chunked) -> EpochRunner:
+def _host_runner(parts, split, devices, batch_size, backend, calls) -> EpochRunner:
     k = len(devices)
     rows = process_rows(batch_size, devices)  # this process's share of every batch
 
@@ -253,11 +283,12 @@ def _host_runner(parts, split, devices, batch_size, backend, calls, chunked) -> 
 
     p_chunk = jax.jit(chunk, donate_argnums=0)
 
-    def placed(key: jax.Array, start: int) -> Iterator[tuple[int, jax.Array, jax.Array]]:
+    def placed(key: jax.Array, start: int, lengths: list[int],
+               chunked: bool) -> Iterator[tuple[int, jax.Array, jax.Array]]:
         batches = epoch_batches(split, batch_size, key, skip=start, rows=rows)
 
         def calls_of_batches() -> Iterator[tuple[int, jax.Array, jax.Array]]:
-            for length in calls(start):
+            for length in lengths:
                 group = [next(batches) for _ in range(length)]
                 if not chunked:
                     yield 1, *split_batch(*group[0], devices, backend)
@@ -269,7 +300,11 @@ def _host_runner(parts, split, devices, batch_size, backend, calls, chunked) -> 
         return calls_of_batches()
 
     def run_epoch(carry: Carry, key: jax.Array, progress: Progress, start: int = 0,
-                  after_call: AfterCall | None = None) -> tuple[Carry, list[jax.Array]]:
+                  after_call: AfterCall | None = None,
+                  steps_per_call: int | None = None) -> tuple[Carry, list[jax.Array]]:
+        per_call, lengths = calls(start, steps_per_call)
+        chunked = per_call > 1
+
         def run_call(carry, call):
             _, xs, ys = call
             if not chunked:
@@ -278,7 +313,7 @@ def _host_runner(parts, split, devices, batch_size, backend, calls, chunked) -> 
             *carry, loss = p_chunk((params, opt_state), tally, xs, ys)
             return tuple(carry), loss
 
-        work = progress(_one_ahead(placed(key, start)), len(calls(start)))
+        work = progress(_one_ahead(placed(key, start, lengths, chunked)), len(lengths))
         return _run_calls(carry, work, run_call, after_call, steps=lambda call: call[0])
 
     return run_epoch

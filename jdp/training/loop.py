@@ -25,7 +25,7 @@ from jdp.training.checkpoint import Checkpoints
 from jdp.training.build import BuiltRun, build_run
 from jdp.training.config import TrainConfig
 from jdp.training.evaluate import make_evaluator
-from jdp.training.feeders import CallPlan, make_epoch_runner
+from jdp.training.feeders import AUTO, CallPlan, auto_steps_per_call, make_epoch_runner, several_steps_per_call
 from jdp.training.guards import Guards
 from jdp.training.keeper import Keeper
 from jdp.training.profile import Profiler, check_window
@@ -43,6 +43,7 @@ class EpochRecord:
     seconds: float  # wall time of the epoch's training loop only
     syncs: int | None = None  # allreduces of the model since the run began: every step, or a local mode's syncs
     process_step_s: list[float] | None = None  # with several processes: each one's seconds per step, in process order
+    steps_per_call: int = 1  # the epoch's train steps per compiled call (`steps_per_call="auto"` chooses it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,7 @@ class Hooks:
             check_window(self.profile.first, self.profile.last, steps)
         if self.stopwatch is not None:
             self.stopwatch.straggler.check(jax.process_count())
-            if config.steps_per_call != 1:
+            if config.steps_per_call not in (1, AUTO):
                 raise ConfigError(f"`steps_per_call={config.steps_per_call}` runs several steps in one call; a "
                                   "simulated straggler delays and times each step: use `steps_per_call=1`.")
 
@@ -129,8 +130,10 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
     keeper, state, data_key = _started(run, dataset, checkpoints, guards.check_replicas, job)
     step, model_of = _wired_step(run, keeper, last_step, hooks.profile, hooks.stopwatch)
     traceable = run.strategy.inside and not run.sync.local and hooks.stopwatch is None
+    auto = config.steps_per_call == AUTO and several_steps_per_call(traceable, config.backend) and hooks.profile is None
+    per_call = 1 if config.steps_per_call == AUTO else config.steps_per_call  # auto: 1 until a step is timed
     run_epoch = make_epoch_runner(step, dataset.train, devices, config.batch_size, config.backend,
-                                  plan=CallPlan(config.steps_per_call, traceable), params_kind=run.sync.params_kind)
+                                  plan=CallPlan(per_call, traceable), params_kind=run.sync.params_kind)
     evaluate, after_call = _epoch_end(run), hooks.after_call(keeper)
     if hooks.profile is not None:
         hooks.profile.at(keeper.step, state)
@@ -138,9 +141,10 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
     try:
         for epoch in range(keeper.epoch, config.epochs + 1):
             tally = place_tally(keeper.start_epoch(len(devices), leaves), devices, config.backend)
-            start, steps_run = time.perf_counter(), steps_per_epoch - keeper.batches_done
+            start, steps_run, paced = time.perf_counter(), steps_per_epoch - keeper.batches_done, []
             (*state, _), losses = run_epoch((*state, tally), jax.random.fold_in(data_key, epoch), hooks.progress,
-                                            start=keeper.batches_done, after_call=after_call)
+                                            start=keeper.batches_done, after_call=_timed(after_call, paced),
+                                            steps_per_call=per_call)
             seconds = time.perf_counter() - start
             if hooks.on_steps is not None:
                 per_step = step_losses(losses)
@@ -148,9 +152,12 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
             state, test_acc = evaluate(tuple(state), model_of, dataset.test)
             record = EpochRecord(epoch, train_loss=float(keeper.epoch_loss()) / (steps_per_epoch * config.batch_size),
                                  test_acc=test_acc, seconds=seconds, syncs=run.sync.syncs(keeper.step, last_step),
-                                 process_step_s=_step_seconds_everywhere(job, seconds / steps_run))
+                                 process_step_s=_step_seconds_everywhere(job, seconds / steps_run),
+                                 steps_per_call=per_call)
             keeper.end_epoch(state, dataclasses.asdict(record), last=epoch == config.epochs)
             hooks.on_epoch(record)
+            if auto and per_call == 1:  # chosen once, from a timed epoch; the grouping changes no result
+                per_call = auto_steps_per_call(_steady_step_seconds(paced))
         final = fetch(model_of(state), "replicated", config.backend)  # a local run ends with a sync: one model
         return final, [EpochRecord(**r) for r in keeper.history]
     except (RuntimeError, ValueError) as e:  # JaxRuntimeError, or ValueError from process_allgather
@@ -245,3 +252,23 @@ def _step_seconds_everywhere(job: faults.JobWatch, mine: float) -> list[float] |
     """Every process's seconds per step in process order (a collective: every process calls it); None with
     one process. A slowed job shows here (history.json)."""
     return per_process(np.float64(mine)).tolist() if job.active else None
+
+
+def _timed(after_call: Callable[[int, tuple], None], paced: list[tuple[float, int]]) -> Callable[[int, tuple], None]:
+    """`after_call`, also noting in `paced` when each call's dispatch returned and how many steps it ran."""
+
+    def timed(steps: int, carry: tuple) -> None:
+        after_call(steps, carry)
+        paced.append((time.perf_counter(), steps))
+
+    return timed
+
+
+def _steady_step_seconds(paced: list[tuple[float, int]], skipped: int = 2, least: int = 8) -> float:
+    """Seconds per step of an epoch's calls after the first `skipped` (they compile), from `paced` (`_timed`):
+    at most 2 calls are in flight, so dispatches return at the pace the devices finish them. Infinite with
+    fewer than `least` calls to time."""
+    if len(paced) < skipped + least:
+        return float("inf")
+    (first, _), (last, _) = paced[skipped - 1], paced[-1]
+    return (last - first) / sum(steps for _, steps in paced[skipped:])
