@@ -112,6 +112,10 @@ def test_auto_steps_per_call_makes_a_call_of_about_4_ms(step_seconds, steps):
     assert pipeline.auto_steps_per_call(step_seconds) == steps
 
 
+def test_auto_steps_per_call_stays_within_a_bound():  # a checkpoint every 5 steps: at most 4 per call
+    assert pipeline.auto_steps_per_call(1e-6, most=5) == 4 and pipeline.auto_steps_per_call(1e-6, most=1) == 1
+
+
 def test_the_steady_step_time_skips_the_compiling_calls_and_needs_enough_of_them():
     paced = [(0.0, 1), (5.0, 1)] + [(5.0 + 0.002 * i, 2) for i in range(1, 9)]  # two slow first calls, then 2 ms
     assert loop._steady_step_seconds(paced) == pytest.approx(0.001)
@@ -122,7 +126,7 @@ def test_the_steady_step_time_skips_the_compiling_calls_and_needs_enough_of_them
 def test_auto_steps_per_call_groups_later_epochs_and_changes_no_result(devices, monkeypatch, strategy, chosen):
     """Epoch 1 runs a step per call; from epoch 2, the chooser's count where the step allows it (a collective
     strategy; `manual` copies between calls, so it stays 1). Grouped or not, the params are bit-identical."""
-    monkeypatch.setattr(loop, "auto_steps_per_call", lambda seconds: 4)  # the measured time varies; the wiring not
+    monkeypatch.setattr(loop, "auto_steps_per_call", lambda seconds, most: min(4, most))  # the measured time varies; the wiring not
     dataset = data.synthetic(jax.random.key(1), n_train=640, n_test=8)
     runs = {}
     for steps_per_call in ("auto", 1):

@@ -93,11 +93,11 @@ def fits_on_devices(split: Split, devices: Sequence[jax.Device], fraction: float
     return limit is not None and per_device <= fraction * limit
 
 
-def auto_steps_per_call(step_seconds: float) -> int:
+def auto_steps_per_call(step_seconds: float, most: int = MAX_AUTO_STEPS) -> int:
     """Steps per call for steps of `step_seconds` each: the power of 2 that makes a call last about CALL_SECONDS,
-    at most MAX_AUTO_STEPS. A step of a few milliseconds (the LeNet on a CPU) keeps 1: nothing to amortise."""
+    at most `most`. A step of a few milliseconds (the LeNet on a CPU) keeps 1: nothing to amortise."""
     steps = 1
-    while steps < MAX_AUTO_STEPS and 2 * steps * step_seconds <= CALL_SECONDS:
+    while 2 * steps <= min(most, MAX_AUTO_STEPS) and 2 * steps * step_seconds <= CALL_SECONDS:
         steps *= 2
     return steps
 

@@ -25,7 +25,14 @@ from jdp.training.checkpoint import Checkpoints
 from jdp.training.build import BuiltRun, build_run
 from jdp.training.config import TrainConfig
 from jdp.training.evaluate import make_evaluator
-from jdp.training.feeders import AUTO, CallPlan, auto_steps_per_call, make_epoch_runner, several_steps_per_call
+from jdp.training.feeders import (
+    AUTO,
+    MAX_AUTO_STEPS,
+    CallPlan,
+    auto_steps_per_call,
+    make_epoch_runner,
+    several_steps_per_call,
+)
 from jdp.training.guards import Guards
 from jdp.training.keeper import Keeper
 from jdp.training.profile import Profiler, check_window
@@ -157,7 +164,8 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
             keeper.end_epoch(state, dataclasses.asdict(record), last=epoch == config.epochs)
             hooks.on_epoch(record)
             if auto and per_call == 1:  # chosen once, from a timed epoch; the grouping changes no result
-                per_call = auto_steps_per_call(_steady_step_seconds(paced))
+                every = None if checkpoints is None else checkpoints.checkpoint_every  # saved at call boundaries
+                per_call = auto_steps_per_call(_steady_step_seconds(paced), most=every or MAX_AUTO_STEPS)
         final = fetch(model_of(state), "replicated", config.backend)  # a local run ends with a sync: one model
         return final, [EpochRecord(**r) for r in keeper.history]
     except (RuntimeError, ValueError) as e:  # JaxRuntimeError, or ValueError from process_allgather
