@@ -146,11 +146,11 @@ def test_a_restart_leaves_out_the_hosts_that_do_not_answer_down_to_min_hosts(mon
     answers = launch._answers(job, EXIT_PROCESS_LOST)
     assert answers == [True, False, True] and launch._answers(replace(job, cluster=None), EXIT_PROCESS_LOST) is None
     assert launch._answers(replace(job, min_hosts=None), 1) is None  # a crash without --min-hosts asks nothing
-    assert launch._failed(job, job, ([10, 11, 12], 0, EXIT_PROCESS_LOST), answers).startswith(
+    assert launch._failed(job, job, [10, 11, 12], 0, EXIT_PROCESS_LOST, answers).startswith(
         "host 1 (198.18.0.2) does not answer (a cut link or a host gone); stopped all 3 processes")
-    assert launch._failed(job, job, ([10, 11, 12], 2, 1), answers) == "process 2 (pid 12) failed: exit status 1; stopped the other 2 process(es)"
+    assert launch._failed(job, job, [10, 11, 12], 2, 1, answers) == "process 2 (pid 12) failed: exit status 1; stopped the other 2 process(es)"
     reduced = replace(job, cluster=plan.keep([0, 2]), num_processes=2)  # a restart already left out host 1
-    assert launch._failed(job, reduced, ([10, 12], 1, EXIT_PROCESS_LOST), answers).startswith(
+    assert launch._failed(job, reduced, [10, 12], 1, EXIT_PROCESS_LOST, answers).startswith(
         "host 1 (198.18.0.2) does not answer (a cut link or a host gone); stopped all 2 processes")
     again, left_out = launch._restarted(job, job, answers)
     assert again.num_processes == 2 and [h.index for h in again.cluster.hosts] == [0, 2]

@@ -181,7 +181,7 @@ def _launch(job: Job, timeout: float | None, max_restarts: int, output: _Output)
             output.say(f"the job timed out after {timeout:g} s; stopped all {run.num_processes} processes.")
             return 1
         answers = _answers(job, code)
-        failed = _failed(job, run, (pids, index, code), answers)
+        failed = _failed(job, run, pids, index, code, answers)
         if attempt == max_restarts or code == NOT_RESTARTED:
             output.say(f"{failed}{_how_to_go_on(run)}.")
             return code if code > 0 else 1
@@ -204,11 +204,10 @@ def _answers(job: Job, code: int) -> list[bool] | None:
     return emulated.answering(job.cluster)
 
 
-def _failed(job: Job, run: Job, failure: tuple[Sequence[int], int, int], answers: list[bool] | None) -> str:
-    """What failed (`failure`: the pids, which process, its exit code), and that the others were stopped. When
-    every process only saw the loss of another (`EXIT_PROCESS_LOST`) on an emulated cluster, the hosts that do
-    not answer the switch (`answers`, of the whole cluster) are the cause."""
-    pids, index, code = failure
+def _failed(job: Job, run: Job, pids: Sequence[int], index: int, code: int, answers: list[bool] | None) -> str:
+    """What failed (process `index` of `pids`, with exit `code`), and that the others were stopped. When every
+    process only saw the loss of another (`EXIT_PROCESS_LOST`) on an emulated cluster, the hosts that do not
+    answer the switch (`answers`, of the whole cluster) are the cause."""
     silent = [i for i, ok in enumerate(answers or []) if not ok]
     if job.cluster is not None and code == EXIT_PROCESS_LOST and silent:
         return f"{_silent(job.cluster, silent)} (a cut link or a host gone); stopped all {run.num_processes} processes"
@@ -225,7 +224,8 @@ def _restarted(job: Job, run: Job, answers: list[bool] | None) -> tuple[Job | No
         return again, ""
     kept, silent = [i for i, ok in enumerate(answers) if ok], [i for i, ok in enumerate(answers) if not ok]
     if len(kept) < job.min_hosts:
-        return None, f"{_silent(job.cluster, silent)}, and {len(kept)} host(s) are fewer than `--min-hosts {job.min_hosts}`"
+        return None, (f"{_silent(job.cluster, silent)}, and {len(kept)} host(s) are fewer than "
+                      f"`--min-hosts {job.min_hosts}`")
     left_out = (f", leaving out {_hosts(job.cluster, silent)} (no answer; {len(kept)} of {len(answers)} hosts go on, "
                 f"`--min-hosts {job.min_hosts}`)") if silent else ""
     return replace(again, cluster=job.cluster.keep(kept), num_processes=len(kept)), left_out

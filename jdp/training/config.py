@@ -69,10 +69,13 @@ class TrainConfig:
                                   f"`{self.formulation}`; pass `formulation` alone.")
             object.__setattr__(self, "formulation", model_impl)
         formulation.check(self.formulation)
-        if self.steps_per_call != AUTO and not isinstance(self.steps_per_call, int):
-            raise ConfigError(f"`steps_per_call` must be a positive integer or `{AUTO}`, got `{self.steps_per_call}`.")
-        for name in ("batch_size", "epochs", "accumulate", *(("steps_per_call",) * (self.steps_per_call != AUTO))):
+        for name in ("batch_size", "epochs", "accumulate"):
             check_positive(name, getattr(self, name))
+        if self.steps_per_call != AUTO:
+            if not isinstance(self.steps_per_call, int):
+                raise ConfigError(f"`steps_per_call` must be a positive integer or `{AUTO}`, "
+                                  f"got `{self.steps_per_call}`.")
+            check_positive("steps_per_call", self.steps_per_call)
         if self.warmup_steps < 0:
             raise ConfigError(f"`warmup_steps` must be >= 0, got {self.warmup_steps}.")
         if not self.lr > 0:

@@ -104,7 +104,11 @@ def auto_steps_per_call(step_seconds: float, most: int = MAX_AUTO_STEPS) -> int:
 
 def several_steps_per_call(traceable: bool, backend: Backend) -> bool:
     """Whether a call may run several steps: a step traceable inside `jax.jit`, mapped by `pmap`, in one process."""
-    return traceable and backend == "pmap" and jax.process_count() == 1
+    return traceable and _single_pmap(backend)
+
+
+def _single_pmap(backend: Backend) -> bool:
+    return backend == "pmap" and jax.process_count() == 1
 
 
 class CallPlan(NamedTuple):
@@ -149,7 +153,7 @@ def make_epoch_runner(step: TrainStep, split: Split, devices: Sequence[jax.Devic
       ConfigError: for settings the feeders cannot run (named by their flags).
     """
     traceable, resident = plan.traceable, plan.resident
-    single_pmap = backend == "pmap" and jax.process_count() == 1
+    single_pmap = _single_pmap(backend)
     if resident and not single_pmap:
         raise ConfigError("Data resident on the devices needs `backend=pmap` in a single process.")
     steps = len(split.labels) // batch_size

@@ -149,8 +149,10 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
         for epoch in range(keeper.epoch, config.epochs + 1):
             tally = place_tally(keeper.start_epoch(len(devices), leaves), devices, config.backend)
             start, steps_run, paced = time.perf_counter(), steps_per_epoch - keeper.batches_done, []
+            timing = auto and per_call == 1  # the calls are timed only while auto has not chosen
             (*state, _), losses = run_epoch((*state, tally), jax.random.fold_in(data_key, epoch), hooks.progress,
-                                            start=keeper.batches_done, after_call=_timed(after_call, paced),
+                                            start=keeper.batches_done,
+                                            after_call=_timed(after_call, paced) if timing else after_call,
                                             steps_per_call=per_call)
             seconds = time.perf_counter() - start
             if hooks.on_steps is not None:
@@ -163,7 +165,7 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
                                  steps_per_call=per_call)
             keeper.end_epoch(state, dataclasses.asdict(record), last=epoch == config.epochs)
             hooks.on_epoch(record)
-            if auto and per_call == 1:  # chosen once, from a timed epoch; the grouping changes no result
+            if timing:  # chosen once, from a timed epoch; the grouping changes no result
                 every = None if checkpoints is None else checkpoints.checkpoint_every  # saved at call boundaries
                 per_call = auto_steps_per_call(_steady_step_seconds(paced), most=every or MAX_AUTO_STEPS)
         final = fetch(model_of(state), "replicated", config.backend)  # a local run ends with a sync: one model
