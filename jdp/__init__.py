@@ -26,6 +26,7 @@ from jdp.parallel.cost import Cost, Terms
 from jdp.parallel.layout import map_over_devices, replicate, split_batch, unreplicate
 from jdp.parallel.opt_state import OptState
 from jdp.parallel.opt_state import init_sharded as init_sharded_opt_state
+from jdp.parallel.streaming import StreamingDiLoCo, streaming_diloco
 from jdp.parallel.step import make_local_step, make_sharded_step, make_train_step
 from jdp.parallel.strategy import Allreduce
 from jdp.parallel.sync import Sync
@@ -78,6 +79,7 @@ __all__ = [
     "JdpError",
     "Model",
     "OptState",
+    "StreamingDiLoCo",
     "ProcessLostError",
     "Split",
     "Sync",
@@ -113,6 +115,7 @@ __all__ = [
     "select_devices",
     "simulate_cpu_devices",
     "split_batch",
+    "streaming_diloco",
     "sync_names",
     "synthetic_dataset",
     "testing",

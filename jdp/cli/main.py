@@ -160,6 +160,7 @@ def _add_record_flags(train: argparse.ArgumentParser) -> None:
 
 def _add_sync_flags(train: argparse.ArgumentParser) -> None:
     """`jdp train`'s group of flags for when the replicas meet, and a straggler to simulate."""
+    from jdp.parallel.compress import WIRE_DTYPES
     from jdp.parallel.sync import DEFAULT_EVERY, DILOCO_OUTER, OUTER_OPTIMIZERS
     from jdp.parallel.sync import names as sync_names
 
@@ -167,17 +168,27 @@ def _add_sync_flags(train: argparse.ArgumentParser) -> None:
     sync.add_argument("--sync", default="every-step", metavar="|".join(sync_names()),
                       help="every-step: allreduce the gradients every step (the lesson's); local-sgd: each device "
                       "steps alone, params averaged every --sync-every steps; diloco: the same, the averaged "
-                      "parameter change fed to an outer Nesterov optimizer; or one a --plugin registered")
+                      "parameter change fed to an outer Nesterov optimizer; streaming-diloco: DiLoCo a fragment at a "
+                      "time (--fragments, --sync-delay, --outer-dtype); or one a --plugin registered")
     sync.add_argument("--sync-every", type=int, default=None, metavar="H",
                       help=f"local modes: steps between syncs (default {DEFAULT_EVERY}, or the one a --plugin's "
                       "sync sets)")
     sync.add_argument("--outer-optimizer", default=None, choices=OUTER_OPTIMIZERS,
-                      help="diloco: the outer optimizer on the averaged parameter change (default nesterov)")
+                      help="diloco, streaming-diloco: the outer optimizer on the averaged parameter change (default "
+                      "nesterov)")
     sync.add_argument("--outer-lr", type=float, default=None,
                       help=f"diloco: the outer lr (default {DILOCO_OUTER['lr']}, Douillard et al. 2023)")
     sync.add_argument("--outer-momentum", type=float, default=None,
                       help=f"diloco: the outer momentum (default {DILOCO_OUTER['momentum']} with nesterov, none "
                       "with sgd)")
+    sync.add_argument("--fragments", type=int, default=None, metavar="F",
+                      help="streaming-diloco: parts of the model synced in turn, one every H/F steps (default 4)")
+    sync.add_argument("--sync-delay", type=int, default=None, metavar="TAU",
+                      help="streaming-diloco: steps between a fragment's send and its merge into the local params "
+                      "(default 0: replaced at once)")
+    sync.add_argument("--outer-dtype", default=None, choices=WIRE_DTYPES,
+                      help="streaming-diloco: the outer gradients on the wire (default float32: the run's "
+                      "--allreduce; else quantized, all-gathered and added in float32)")
     sync.add_argument("--simulate-straggler", default=None, metavar="PROCESS:SECONDS[:EVERY]",
                       help="multi-process: process PROCESS sleeps SECONDS before every EVERY-th step (default every "
                       "step); every process times its steps and syncs, and the run reports them per process")

@@ -8,6 +8,9 @@ so compression composes with every algorithm; the wrapped strategy does all the 
 * ``bf16-wire`` / ``fp16-wire``: jdp's `ring`, sending every chunk in the low dtype but adding in
   float32 at every hop. The same bytes as ``bf16``, one rounding per hop instead of a sum that
   is rounded after every addition: the difference is the cost of low-precision *sums*.
+* `quantized` (Streaming DiLoCo's outer gradients, `jdp.parallel.streaming`): each device's buffer
+  in bf16, fp8 (e4m3) or int8, scaled so its largest value is the dtype's largest, all-gathered and
+  added in float32 on every device: a quarter of the bytes at 8 bits, one rounding per value.
 * ``powersgd``: rank-r PowerSGD with error feedback (Vogels, Karimireddy & Jaggi, NeurIPS 2019).
   Each matrix-shaped gradient M (conv kernels as (out, in·h·w)) is sent as two thin factors,
   P = M·Q (n×r) and Q = Mᵀ·P̂ (m×r), instead of n×m values; leaves that would not shrink
@@ -33,11 +36,13 @@ import numpy as np
 from jax import lax
 
 from jdp.errors import ConfigError, check_positive
-from jdp.parallel.cost import cast_cost
+from jdp.parallel.cost import cast_cost, gathered
 from jdp.parallel.strategy import Allreduce
 from jdp.types import PyTree
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+WIRE_DTYPES = {"float32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
+_LARGEST = {"fp8": float(jnp.finfo(jnp.float8_e4m3fn).max), "int8": 127.0}  # what the largest |x| is scaled to
 MODES = ("none", "bf16", "fp16", "bf16-wire", "fp16-wire", "powersgd")
 
 
@@ -56,6 +61,44 @@ def low_precision(strategy: Allreduce, dtype: jnp.dtype) -> Allreduce:
     cost = None if strategy.cost is None else cast_cost(strategy.cost, jnp.dtype(dtype).itemsize / 4)  # of float32
     cast = strategy.local(down)  # outside: one dispatch, each slice cast on its own device
     return strategy.wrapped(name, lambda tree, *axis: up(strategy.fn(cast(tree), *axis), tree), cost=cost)
+
+
+def quantize(x: jax.Array, wire: str) -> tuple[jax.Array, jax.Array]:
+    """(`x` in the `wire` dtype of `WIRE_DTYPES`, its float32 scale): fp8 and int8 scaled so that the largest
+    |x| is the dtype's largest value (int8 rounded to the nearest integer); float32 and bf16 cast, scale 1."""
+    if wire not in _LARGEST:
+        return x.astype(WIRE_DTYPES[wire]), jnp.float32(1.0)
+    top = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    scale = jnp.where(top > 0, top / _LARGEST[wire], 1.0)
+    scaled = jnp.clip(x / scale, -_LARGEST[wire], _LARGEST[wire])  # the division may round past the largest
+    return (jnp.round(scaled) if wire == "int8" else scaled).astype(WIRE_DTYPES[wire]), scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """The float32 values `q` stands for (`quantize`'s inverse, up to its rounding)."""
+    return q.astype(jnp.float32) * scale
+
+
+def quantized(wire: str) -> Allreduce:
+    """The allreduce of Streaming DiLoCo's low-precision outer gradients: each device's leaves quantized
+    to `wire` with its own scale, all-gathered in that dtype, then dequantized and added in float32,
+    in device order, on every device (so every device holds the same sum, bit for bit)."""
+    if wire not in WIRE_DTYPES:
+        raise ConfigError(f"Unknown wire dtype `{wire}`; choose one of: {', '.join(WIRE_DTYPES)}.")
+    itemsize = jnp.dtype(WIRE_DTYPES[wire]).itemsize
+
+    def one(x, axis):
+        q, scale = quantize(x, wire)
+        carried = lax.bitcast_convert_type(q, jnp.uint8) if itemsize == 1 and wire != "int8" else q
+        everyone = lax.all_gather(carried, axis)  # (k, ...): every device's quantized leaf
+        if carried is not q:
+            everyone = lax.bitcast_convert_type(everyone, q.dtype)
+        scales = lax.all_gather(scale, axis).reshape(-1, *[1] * x.ndim)
+        return jnp.sum(dequantize(everyone, scales), axis=0).astype(x.dtype)
+
+    name = f"gather+{wire}"
+    return Allreduce(name, lambda tree, axis: jax.tree.map(lambda x: one(x, axis), tree),
+                     cost=gathered(itemsize / 4, name))
 
 
 # --- PowerSGD ---------------------------------------------------------------------------------

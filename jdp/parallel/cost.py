@@ -255,3 +255,18 @@ def __getattr__(name: str):
     if name in _MOVED:  # removed after 0.1.0; see docs/api.md
         raise AttributeError(f"`jdp.parallel.cost.{name}` is now {_MOVED[name]}: a strategy carries its own cost.")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def gathered(ratio: float, name: str) -> Cost:
+    """The cost of an allreduce by all-gather (`jdp.parallel.compress.quantized`): each device sends its
+    buffer, cast to `ratio` of its bytes, to each of the k − 1 others (a ring of k − 1 steps), then
+    adds the k buffers itself. Across nodes every step crosses between them. Fitted as `name`, else as the ring."""
+
+    def terms(k: int, leaf_bytes: Sequence[float], per_node: int | None) -> Levels:
+        one = Terms()
+        for nbytes in filter(lambda b: b > 0, leaf_bytes):
+            one += Terms(k - 1, (k - 1) * nbytes * ratio, (k - 1) * nbytes, k * (k - 1) * nbytes * ratio)
+        return {"intra": one, "inter": Terms()} if min(k, per_node or k) == k else {"intra": Terms(), "inter": one}
+
+    return Cost(terms, (name, "ring"))
+

@@ -10,7 +10,9 @@
 A sync algorithm is a `Sync` value: its name, H, and per-device functions saying what each device
 sends, what it makes of the mean over the devices, the state the algorithm keeps and the model to
 evaluate. `register` makes one a name of `--sync` (a `--plugin` file can hold a whole algorithm:
-docs/architecture.md's recipe). Between syncs the params are `per_device` (row i on device i,
+docs/architecture.md's recipe). An algorithm whose devices meet over parts of the model, at
+different steps, subclasses `Sync` and overrides its schedule and meetings (`meetings`, `send`,
+`receive`): Streaming DiLoCo, `jdp.parallel.streaming`. Between syncs the params are `per_device` (row i on device i,
 different on purpose); a sync sums with the run's allreduce strategy (any: compressed, fused,
 stateful, outside), so every device leaves it with bit-identical params. The algorithm's own state
 (DiLoCo's θ and outer optimizer state) is part of the optimizer state
@@ -18,7 +20,9 @@ stateful, outside), so every device leaves it with bit-identical params. The alg
 """
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -28,6 +32,9 @@ from jdp.parallel.opt_state import OptState
 from jdp.parallel.strategy import Allreduce
 from jdp.runtime.devices import AXIS
 from jdp.types import PyTree
+
+if TYPE_CHECKING:
+    import optax
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 DEFAULT_EVERY = 16  # H when a local mode is chosen without one
@@ -50,6 +57,12 @@ class Sync:
       sent: (params, state) -> what each device hands the allreduce; None: its params.
       init: params -> the state before step 1; None: no state.
       model: state -> the one model to evaluate (and `train` to return); None: the replicas' mean.
+      configure: (every, **settings) -> the algorithm with these settings (DiLoCo's outer optimizer, ...);
+        its keywords are the settings `from_settings` (`TrainConfig`, the CLI) passes it. None: it has none.
+
+    A subclass may meet differently (`jdp.parallel.streaming`): overriding `meetings` (which meetings follow a
+    step), `send` and `receive` (what one meeting sends and makes of the mean), `reducer` (what sums it),
+    `agrees_after`, `syncs` and `payload_fraction` (what the run reports).
     """
 
     name: str
@@ -58,6 +71,7 @@ class Sync:
     sent: Callable[[PyTree, PyTree], PyTree] | None = None
     init: Callable[[PyTree], PyTree] | None = None
     model: Callable[[PyTree], PyTree] | None = None
+    configure: Callable[..., "Sync"] | None = None
 
     @property
     def local(self) -> bool:
@@ -77,27 +91,59 @@ class Sync:
         """How many syncs the first `step` steps of a run of `last_step` steps made."""
         return step // self.every + (step == last_step and step % self.every != 0) if self.local else step
 
+    def meetings(self, step: int, last_step: int) -> tuple[Hashable, ...]:
+        """The meetings after `step`, in order: each a key that `send` and `receive` are given (and a
+        program compiled once per key); () for none. Here: one meeting of the whole model when `due`."""
+        return ("all",) if self.due(step, last_step) else ()
+
+    def agrees_after(self, step: int, last_step: int) -> bool:
+        """Whether every device holds the same params after `step` (what `check_replicas` compares then)."""
+        return self.due(step, last_step)
+
+    @property
+    def payload_fraction(self) -> float:
+        """The bytes one sync hands the allreduce, as a fraction of a float32 copy of the model."""
+        return 1.0
+
+    @property
+    def sends_params(self) -> bool:
+        """Whether each device sends its params as they are (an outside strategy then needs no call before it)."""
+        return self.sent is None
+
+    def send(self, params: PyTree, state: PyTree, key: Hashable) -> PyTree | None:
+        """What each device hands the allreduce at the meeting `key` (None: nothing, a meeting without a sum)."""
+        return params if self.sent is None else self.sent(params, state)
+
+    def receive(self, mean: PyTree | None, params: PyTree, state: PyTree,
+                key: Hashable) -> tuple[PyTree, PyTree]:
+        """(the params each device continues from, the new state), from the mean over the devices of what
+        they sent at the meeting `key`, and the device's own params."""
+        return self.received(mean, state)
+
+    def reducer(self, strategy: Allreduce) -> Allreduce:
+        """What sums what the devices send: the run's allreduce strategy."""
+        return strategy
+
 
 def _mean_of_replicas(mean: PyTree, state: PyTree) -> tuple[PyTree, PyTree]:
     """Local SGD's meeting: every device continues from the mean of the devices' params."""
     return mean, state
 
 
-def diloco(every: int = DEFAULT_EVERY, outer_optimizer: str | None = None, outer_lr: float | None = None,
-           outer_momentum: float | None = None) -> Sync:
-    """DiLoCo with its outer optimizer: SGD with Nesterov momentum (the paper's), or SGD (plain, or
-    heavy-ball `outer_momentum`); None: the paper's settings. Its "gradient" is the average parameter
-    change θ − θ_i, so `outer_lr` 1 without momentum sets θ to the average of the devices' params.
-    Its state: {"params": θ, "optimizer": the outer optimizer's state}.
+def outer_optimizer_of(name: str | None = None, lr: float | None = None,
+                    momentum: float | None = None) -> Callable[[], "optax.GradientTransformation"]:
+    """DiLoCo's outer optimizer, checked: SGD with Nesterov momentum (the paper's), or SGD (plain, or
+    heavy-ball `momentum`); None: the paper's settings. Returned as a builder, called where it is used
+    (`import jdp` stays light: no optax).
 
     Raises:
       ConfigError: naming an outer setting that is unknown or out of range.
     """
-    name = outer_optimizer or "nesterov"
+    name = name or "nesterov"
     if name not in OUTER_OPTIMIZERS:
         raise ConfigError(f"Unknown `outer_optimizer={name}`; choose one of: {', '.join(OUTER_OPTIMIZERS)}.")
-    lr = DILOCO_OUTER["lr"] if outer_lr is None else outer_lr
-    momentum = (DILOCO_OUTER["momentum"] if name == "nesterov" else None) if outer_momentum is None else outer_momentum
+    lr = DILOCO_OUTER["lr"] if lr is None else lr
+    momentum = (DILOCO_OUTER["momentum"] if name == "nesterov" else None) if momentum is None else momentum
     if not lr > 0:
         raise ConfigError(f"`outer_lr` must be positive, got {lr}.")
     if momentum is not None and not 0 <= momentum < 1:
@@ -105,10 +151,24 @@ def diloco(every: int = DEFAULT_EVERY, outer_optimizer: str | None = None, outer
     if name == "nesterov" and not momentum:
         raise ConfigError("`outer_optimizer=nesterov` needs a momentum in (0, 1); for none, use `outer_optimizer=sgd`.")
 
-    def outer():  # built when used, not here: `import jdp` stays light (no optax)
+    def outer():
         import optax
 
         return optax.sgd(lr, momentum=momentum or None, nesterov=name == "nesterov")
+
+    return outer
+
+
+def diloco(every: int = DEFAULT_EVERY, outer_optimizer: str | None = None, outer_lr: float | None = None,
+           outer_momentum: float | None = None) -> Sync:
+    """DiLoCo with its outer optimizer (`outer_optimizer_of`'s settings; None: the paper's). Its "gradient" is
+    the average parameter change θ − θ_i, so `outer_lr` 1 without momentum sets θ to the average of the
+    devices' params. Its state: {"params": θ, "optimizer": the outer optimizer's state}.
+
+    Raises:
+      ConfigError: naming an outer setting that is unknown or out of range.
+    """
+    outer = outer_optimizer_of(outer_optimizer, outer_lr, outer_momentum)
 
     def init(params):
         return {"params": params, "optimizer": outer().init(params)}
@@ -123,7 +183,7 @@ def diloco(every: int = DEFAULT_EVERY, outer_optimizer: str | None = None, outer
         theta = optax.apply_updates(state["params"], updates)
         return theta, {"params": theta, "optimizer": outer_state}
 
-    return Sync("diloco", every, received, sent, init, model=lambda state: state["params"])
+    return Sync("diloco", every, received, sent, init, model=lambda state: state["params"], configure=diloco)
 
 
 EVERY_STEP = Sync("every-step", 1)
@@ -140,7 +200,7 @@ def check(sync: Sync) -> Sync:
         raise ConfigError(f"`sync` must be a registered name or a `jdp.Sync`, got {type(sync).__name__}.")
     if not isinstance(sync.name, str) or not sync.name:
         raise ConfigError(f"A `jdp.Sync` needs a name to be known by, got {sync.name!r}.")
-    if sync.received is None and sync != EVERY_STEP:
+    if not sync.local and sync != EVERY_STEP:
         raise ConfigError(f"The sync `{sync.name}` has no `received`: what the devices make of the mean at a sync. "
                           "(Only `every-step`, which allreduces every step, meets no other way.)")
     if not isinstance(sync.every, int) or sync.every < 1:
@@ -169,10 +229,10 @@ def names(*, local: bool | None = None) -> tuple[str, ...]:
     return tuple(name for name, sync in _SYNCS.items() if local in (None, sync.local))
 
 
-def from_settings(sync: "str | Sync", every: int | None = None, outer_optimizer: str | None = None,
-                  outer_lr: float | None = None, outer_momentum: float | None = None) -> Sync:
+def from_settings(sync: "str | Sync", every: int | None = None, **settings: object) -> Sync:
     """The `Sync` of these settings, checked: a registered name or a `Sync`, with `every` for its H
-    (None: its own) and DiLoCo's outer settings (None: the paper's).
+    (None: its own) and the settings its `configure` takes (DiLoCo's outer optimizer, Streaming
+    DiLoCo's fragments, ...; a None one: its own).
 
     Raises:
       ConfigError: naming a setting that is unknown, out of range or meaningless for `sync`.
@@ -181,66 +241,89 @@ def from_settings(sync: "str | Sync", every: int | None = None, outer_optimizer:
         raise ConfigError(f"Unknown `sync={sync}`; choose one of: {', '.join(_SYNCS)} (or register your own with "
                           "`jdp.register_sync`, loaded with `--plugin MODULE`).")
     chosen = _SYNCS[sync] if isinstance(sync, str) else check(sync)
-    if every is not None:
-        if not chosen.local and every != 1:
-            raise ConfigError(f"`sync_every={every}` needs a local mode: "
-                              f"{' or '.join(f'`sync={name}`' for name in names(local=True))}.")
-        chosen = check(dataclasses.replace(chosen, every=every)) if chosen.local else chosen
-    outer = {"outer_optimizer": outer_optimizer, "outer_lr": outer_lr, "outer_momentum": outer_momentum}
-    given = [f"`{name}={value}`" for name, value in outer.items() if value is not None]
-    if chosen.name != "diloco" and given:
-        raise ConfigError(f"{', '.join(given)} set(s) DiLoCo's outer optimizer; add `sync=diloco`.")
-    return diloco(chosen.every, outer_optimizer, outer_lr, outer_momentum) if given else chosen
+    if every is not None and not chosen.local and every != 1:
+        raise ConfigError(f"`sync_every={every}` needs a local mode: "
+                          f"{' or '.join(f'`sync={name}`' for name in names(local=True))}.")
+    given = {name: value for name, value in settings.items() if value is not None}
+    for name, value in given.items():
+        if name not in _settings_of(chosen):
+            owners = " or ".join(f"`sync={other}`" for other in _SYNCS if name in _settings_of(_SYNCS[other]))
+            raise ConfigError(f"`{name}={value}` is a setting of {owners or 'no registered sync algorithm'}, "
+                              f"not of `sync={chosen.name}`.")
+    if given:  # built anew with its H and these settings, each checked by the algorithm
+        return check(chosen.configure(chosen.every if every is None else every, **given))
+    return check(dataclasses.replace(chosen, every=every)) if every is not None and chosen.local else chosen
+
+
+def _settings_of(sync: Sync) -> tuple[str, ...]:
+    """The names of the settings `sync.configure` takes, besides H."""
+    if sync.configure is None:
+        return ()
+    return tuple(name for name in inspect.signature(sync.configure).parameters if name != "every")
 
 
 def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[jax.Device],
-              backend: Backend) -> Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]:
-    """Builds `sync(params, opt_state) -> (params, opt_state)`: the replicas meet (see `Sync`).
+              backend: Backend) -> Callable[[PyTree, PyTree, Hashable], tuple[PyTree, PyTree]]:
+    """Builds `meet(params, opt_state, key) -> (params, opt_state)`: the replicas meet (see `Sync`).
 
     Args:
       sync: a local mode.
-      strategy: sums over the devices; "inside" strategies run in the mapped program, "outside" ones
-        between two mapped calls, as in the train step.
+      strategy: the run's; `sync.reducer(strategy)` sums over the devices: an "inside" one in the mapped
+        program, an "outside" one between two mapped calls, as in the train step.
       opt: the run's optimizer state (its strategy part and the sync's own state are used here).
       devices, backend: as the train step's.
 
     Returns:
-      sync(params, opt_state): both per-device arrays of the local step, donated; the params come back
-      identical on every device.
+      meet(params, opt_state, key): the meeting `key` of `sync.meetings` (a program compiled once per key),
+      on the per-device arrays of the local step, donated.
     """
-    k = len(devices)
-    sent = sync.sent or (lambda params, state: params)
+    k, reducer = len(devices), sync.reducer(strategy)
 
-    def received(total, state):
-        return sync.received(jax.tree.map(lambda x: x / k, total), state)
+    def received(total, params, state, key):
+        mean = None if total is None else jax.tree.map(lambda x: x / k, total)
+        return sync.receive(mean, params, state, key)
 
-    if strategy.inside:
-
+    def inside(key):
         def local_sync(params, opt_state):
             (inner, kept), state = opt.split(opt_state), opt.sync_state(opt_state)
-            total, kept = strategy.reduce(sent(params, state), kept, AXIS)
-            params, state = received(total, state)
+            sent, total = sync.send(params, state, key), None
+            if sent is not None:
+                total, kept = reducer.reduce(sent, kept, AXIS)
+            params, state = received(total, params, state, key)
             return params, opt.join(inner, kept, state)
 
         return map_over_devices(local_sync, devices, backend, ("per_device", opt.kind), ("per_device", opt.kind),
                                 donate=(0, 1))
 
-    kinds = ("per_device", "replicated")  # the params (or what is sent), the sync's state
-    if sync.sent is None:  # the params themselves are sent: no call before the transfers
-        p_sent = sent
-    else:
-        p_sent_call = map_over_devices(lambda params, state: (sent(params, state),), devices, backend, kinds,
-                                       ("per_device",), donate=(0,))
-        p_sent = lambda params, state: p_sent_call(params, state)[0]  # noqa: E731
-    p_received = map_over_devices(received, devices, backend, kinds, kinds, donate=(0,))
+    def outside(key):
+        kinds = ("per_device", "replicated")  # the params (or what is sent), the sync's state
+        if sync.sends_params:  # no call before the transfers
+            p_sent = lambda params, state: params  # noqa: E731
+        else:
+            p_sent_call = map_over_devices(lambda params, state: (sync.send(params, state, key),), devices, backend,
+                                           kinds, ("per_device",))
+            p_sent = lambda params, state: p_sent_call(params, state)[0]  # noqa: E731
+        p_received = map_over_devices(lambda total, params, state: received(total, params, state, key), devices,
+                                      backend, ("per_device", *kinds), kinds, donate=(0, 1))
 
-    def outside_sync(params, opt_state):
-        (inner, kept), state = opt.split(opt_state), opt.sync_state(opt_state)
-        total, kept = strategy.reduce(p_sent(params, state), kept)  # explicit transfers between devices
-        params, state = p_received(total, state)
-        return params, opt.join(inner, kept, state)
+        def outside_sync(params, opt_state):
+            (inner, kept), state = opt.split(opt_state), opt.sync_state(opt_state)
+            sent, total = p_sent(params, state), None
+            if sent is not None:
+                total, kept = reducer.reduce(sent, kept)  # explicit transfers between devices
+            params, state = p_received(total, params, state)
+            return params, opt.join(inner, kept, state)
 
-    return outside_sync
+        return outside_sync
+
+    programs: dict[Hashable, Callable] = {}
+
+    def meet(params, opt_state, key):
+        if key not in programs:
+            programs[key] = (inside if reducer.inside else outside)(key)
+        return programs[key](params, opt_state)
+
+    return meet
 
 
 def make_consensus(sync: Sync, opt: OptState, devices: Sequence[jax.Device],
@@ -259,7 +342,7 @@ def make_consensus(sync: Sync, opt: OptState, devices: Sequence[jax.Device],
 
 
 _MOVED = {"SYNC_MODES": "`names()` (`jdp.sync_names()`), read from the registry of sync algorithms",
-          "make_outer_optimizer": "built inside `diloco(every, outer_optimizer, outer_lr, outer_momentum)`"}
+          "make_outer_optimizer": "`outer_optimizer_of(name, lr, momentum)`, a builder of the optax optimizer"}
 
 
 def __getattr__(name: str):

@@ -60,6 +60,9 @@ class TrainConfig:
     outer_optimizer: str | None = None  # diloco: "nesterov" (None: it) or "sgd"
     outer_lr: float | None = None  # diloco: the outer optimizer's lr; None: 0.7 (Douillard et al. 2023)
     outer_momentum: float | None = None  # diloco: the outer momentum; None: 0.9 with nesterov, none with sgd
+    fragments: int | None = None  # streaming-diloco: F, parts of the model synced in turn; None: 4
+    sync_delay: int | None = None  # streaming-diloco: TAU, steps between a fragment's send and its merge; None: 0
+    outer_dtype: str | None = None  # streaming-diloco: float32, bf16, fp8 or int8 outer gradients; None: float32
     model_impl: dataclasses.InitVar[str | None] = None  # the earlier name of `formulation`, still accepted
 
     def __post_init__(self, model_impl: str | None) -> None:
@@ -102,6 +105,7 @@ class TrainConfig:
                 if getattr(self, name) not in fine:
                     raise ConfigError(f"`{name}={getattr(self, name)}` {why}; `sync={sync.name}` keeps different "
                                       f"params on each device between syncs. Drop `{name}` or use `sync=every-step`.")
+            sync.reducer(self.strategy())  # refuses a strategy this sync cannot sum with
             if model.stateful:
                 raise ConfigError(f"`sync={sync.name}` averages params only; `model={_name(self.model)}` carries state "
                                   "besides them (BatchNorm statistics, an adapted model's dropout key), which a local "
@@ -126,9 +130,12 @@ class TrainConfig:
         return precision.mixed(models.get(self.model, impl=impl, batchnorm=self.batchnorm), self.precision)
 
     def build_sync(self) -> sync_lib.Sync:
-        """When the replicas meet and what they make of it (`sync`, `sync_every`, DiLoCo's outer optimizer)."""
-        return sync_lib.from_settings(self.sync, self.sync_every, self.outer_optimizer, self.outer_lr,
-                                      self.outer_momentum)
+        """When the replicas meet and what they make of it (`sync`, `sync_every`, DiLoCo's outer optimizer,
+        Streaming DiLoCo's fragments)."""
+        return sync_lib.from_settings(self.sync, self.sync_every, outer_optimizer=self.outer_optimizer,
+                                      outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
+                                      fragments=self.fragments, sync_delay=self.sync_delay,
+                                      outer_dtype=self.outer_dtype)
 
     def strategy(self) -> Allreduce:
         """The allreduce strategy, fused and compressed if asked."""
@@ -171,10 +178,12 @@ def learning_rate(config: TrainConfig) -> "float | optax.Schedule":
 
 def payload_bytes(config: TrainConfig) -> int:
     """Bytes each device hands to the allreduce each time the model is summed (every step, or every sync of a
-    local mode): the gradients (or params, or their change), or what `config.compress` sends instead."""
+    local mode): the gradients (or params, or their change), or what `config.compress` sends instead; for
+    a sync sending part of the model in a narrower dtype (Streaming DiLoCo), that part, on average."""
     model = config.build_model()
     grads = jax.eval_shape(lambda: models.trainable(model, model.init(jax.random.key(0))))
-    return compress_lib.payload_bytes(grads, config.compress, config.powersgd_rank)
+    return round(compress_lib.payload_bytes(grads, config.compress, config.powersgd_rank)
+                 * config.build_sync().payload_fraction)
 
 
 def checkpoint_target(config: TrainConfig, device_count: int = 1) -> PyTree:

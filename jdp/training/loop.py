@@ -187,7 +187,7 @@ def _started(run: BuiltRun, dataset: Dataset, checkpoints: Checkpoints | None, c
     params = model.init(init_key)
     last_step = len(dataset.train.labels) // config.batch_size * config.epochs
     watch = guards.Watch(params, check_replicas, same=_same_on_every_device(model), same_opt_state=opt.replicated_part,
-                         comparable=lambda step: not sync.local or sync.due(step, last_step))
+                         comparable=lambda step: not sync.local or sync.agrees_after(step, last_step))
     described = None if checkpoints is None else describe_run(
         config.to_dict(), dataset, k, per_device_state=opt.per_device_strategy_state or opt.local)
     keeper = Keeper(checkpoints, described, len(dataset.train.labels) // config.batch_size, watch, run.to_host,
@@ -220,7 +220,7 @@ def _wired_step(run: BuiltRun, keeper: Keeper, last_step: int, profile: Profiler
                 stopwatch: Stopwatch | None) -> tuple[TrainStep, Callable[[tuple[PyTree, PyTree]], PyTree]]:
     """The step the loop calls, and the one model of a state to evaluate.
 
-    A local sync mode's replicas meet after the steps it is due (`keeper.step` counts them), and its
+    A local sync mode's replicas meet after the steps it names (`keeper.step` counts them), and its
     model is their consensus; every other step keeps one model, replicated. A stopwatch times each step
     and each sync; a profile's segments wrap an outside strategy's calls.
     """
@@ -236,8 +236,8 @@ def _wired_step(run: BuiltRun, keeper: Keeper, last_step: int, profile: Profiler
 
     def step_then_sync(params, opt_state, images, labels):  # the loop counts the steps: `keeper.step` before it
         params, opt_state, loss = step(params, opt_state, images, labels)
-        if sync.due(keeper.step + 1, last_step):
-            params, opt_state = meet(params, opt_state)
+        for key in sync.meetings(keeper.step + 1, last_step):
+            params, opt_state = meet(params, opt_state, key)
         return params, opt_state, loss
 
     consensus = make_consensus(sync, run.opt, run.devices, config.backend)
