@@ -95,6 +95,26 @@ def test_fragments_meet_in_turn_and_merge_tau_steps_later():
         [(), (), (), (("send", 0),), (), (), (), (("send", 0),), ("final",)]  # DiLoCo's
 
 
+def test_a_late_fragment_is_mixed_and_only_it():
+    """TAU = 2, α = 0.25: a send updates θ's fragment only (the device keeps its params); the merge TAU
+    steps later sets that fragment to α·local + (1 − α)·θ and leaves every other element alone."""
+    sync = jdp.streaming_diloco(8, fragments=2, sync_delay=2, mixing=0.25, outer_optimizer="sgd", outer_lr=1.0)
+    params = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.arange(6.0, 10.0)}  # 10 elements: 5 per fragment
+    state = sync.init(jax.tree.map(jnp.zeros_like, params))  # θ = 0
+    change = sync.send(params, state, ("send", 1))  # θ − θ_i over elements 5..9
+    assert [np.asarray(x).tolist() for x in change[0]] == [[-5.0], [-6.0, -7.0, -8.0, -9.0]]
+    kept, state = sync.receive(change, params, state, ("send", 1))  # outer SGD lr 1 on the mean: θ_p ← θ_i
+    assert_bit_identical(kept, params)
+    assert np.asarray(state["params"]["b"]).tolist() == [6.0, 7.0, 8.0, 9.0]
+    assert not np.asarray(state["params"]["a"]).ravel()[:5].any()
+    later = jax.tree.map(lambda x: x + 100.0, params)  # the device trained on for TAU steps
+    assert sync.send(later, state, ("merge", 1)) is None
+    merged, same = sync.receive(None, later, state, ("merge", 1))
+    assert same is state
+    expected = np.concatenate([np.arange(5.0) + 100, 0.25 * (np.arange(5.0, 10.0) + 100) + 0.75 * np.arange(5.0, 10.0)])
+    assert np.concatenate([np.ravel(merged["a"]), merged["b"]]).tolist() == expected.tolist()
+
+
 @pytest.mark.parametrize("sizes, fragments", [([150, 6, 2400, 16, 48000, 120, 10080, 84, 840, 10], 4),
                                               ([5], 3), ([1, 1, 1, 1, 1], 5), ([7, 0, 9], 2), ([100], 1)])
 def test_fragments_cover_every_element_once_in_equal_parts(sizes, fragments):
@@ -216,6 +236,8 @@ def test_bad_settings_are_refused_by_name(settings, message):
 def test_the_mixing_factor_is_checked_when_replaced():
     with pytest.raises(ConfigError, match=r"`mixing` must be in \[0, 1\], got 1.5"):
         dataclasses.replace(jdp.streaming_diloco(), mixing=1.5)
+    with pytest.raises(ConfigError, match=r"`mixing` must be in \[0, 1\], got -0.5"):
+        TrainConfig(sync="streaming-diloco", mixing=-0.5)
 
 
 def test_the_cli_names_its_flags(capsys):

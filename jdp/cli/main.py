@@ -186,6 +186,9 @@ def _add_sync_flags(train: argparse.ArgumentParser) -> None:
     sync.add_argument("--sync-delay", type=int, default=None, metavar="TAU",
                       help="streaming-diloco: steps between a fragment's send and its merge into the local params "
                       "(default 0: replaced at once)")
+    sync.add_argument("--mixing", type=float, default=None, metavar="A",
+                      help="streaming-diloco with --sync-delay: a late fragment merges as A·local + (1 − A)·outer "
+                      "(default 0.5, the paper's)")
     sync.add_argument("--outer-dtype", default=None, choices=WIRE_DTYPES,
                       help="streaming-diloco: the outer gradients on the wire (default float32: the run's "
                       "--allreduce; else quantized, all-gathered and added in float32)")

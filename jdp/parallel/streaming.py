@@ -8,7 +8,7 @@ model's size. Streaming DiLoCo changes three things, each a setting here:
   Fragment p meets after the steps t ≡ (p + 1)·H/F (mod H): F syncs of 1/F of the model each per H
   steps, staggered, so the peak traffic is 1/F of DiLoCo's. Each fragment has its own outer
   optimizer state; the outer step is DiLoCo's, on that fragment.
-* **delay** (TAU): a fragment's outer step, sent after step t, is applied after step t + TAU, merged
+* **sync_delay** (TAU): a fragment's outer step, sent after step t, is applied after step t + TAU, merged
   with what the device learnt meanwhile: θ_p ← α·θ_p(local) + (1 − α)·θ_p(outer), α the **mixing**
   factor (the paper's 0.5). Where communication overlaps computation, TAU steps hide the sync's time.
   At TAU = 0 the fragment is replaced by the outer result, as in DiLoCo.
@@ -83,17 +83,20 @@ def with_pieces(tree: PyTree, slices: Slices, values: tuple[jax.Array, ...]) -> 
 
 @dataclasses.dataclass(frozen=True)
 class StreamingDiLoCo(Sync):
-    """Streaming DiLoCo's schedule and meetings (the module docstring); `streaming_diloco` builds it, and
-    `dataclasses.replace(sync, mixing=...)` sets its mixing factor (checked again).
+    """Streaming DiLoCo's schedule and meetings (the module docstring); `streaming_diloco` builds it. Its
+    settings are its fields, each checked when it is made (and by `dataclasses.replace`).
 
     Its state: {"params": θ, the global params, "optimizer": (the outer optimizer's state of each fragment)}.
     """
 
     fragments: int = DEFAULT_FRAGMENTS
-    delay: int = 0
+    sync_delay: int = 0
     mixing: float = DEFAULT_MIXING
     outer_dtype: str = "float32"
-    outer: Callable[[], "optax.GradientTransformation"] = dataclasses.field(default_factory=outer_optimizer_of)
+    outer_optimizer: str | None = None  # DiLoCo's outer optimizer and its settings (None: the paper's)
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    outer: Callable[[], "optax.GradientTransformation"] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.fragments, int) or self.fragments < 1:
@@ -101,12 +104,13 @@ class StreamingDiLoCo(Sync):
         if self.every % self.fragments:
             raise ConfigError(f"`sync_every={self.every}` does not split into `fragments={self.fragments}` "
                               "syncs evenly; use a multiple of it.")
-        if not isinstance(self.delay, int) or not 0 <= self.delay < self.every:
-            raise ConfigError(f"`sync_delay` must be in [0, `sync_every`={self.every}), got {self.delay}.")
+        if not isinstance(self.sync_delay, int) or not 0 <= self.sync_delay < self.every:
+            raise ConfigError(f"`sync_delay` must be in [0, `sync_every`={self.every}), got {self.sync_delay}.")
         if not 0 <= self.mixing <= 1:
             raise ConfigError(f"`mixing` must be in [0, 1], got {self.mixing}.")
         if self.outer_dtype not in WIRE_DTYPES:
             raise ConfigError(f"Unknown `outer_dtype={self.outer_dtype}`; choose one of: {', '.join(WIRE_DTYPES)}.")
+        object.__setattr__(self, "outer", outer_optimizer_of(self.outer_optimizer, self.outer_lr, self.outer_momentum))
         object.__setattr__(self, "init", functools.partial(_initial_state, fragments=self.fragments,
                                                            outer=self.outer))
         object.__setattr__(self, "model", _global_params)
@@ -125,8 +129,8 @@ class StreamingDiLoCo(Sync):
         run's last step, the final meeting of every fragment."""
         if step == last_step:
             return (FINAL,)
-        sent_before = step - self.delay
-        merge = (("merge", self._due(sent_before)),) if self.delay and sent_before > 0 and \
+        sent_before = step - self.sync_delay
+        merge = (("merge", self._due(sent_before)),) if self.sync_delay and sent_before > 0 and \
             sent_before % self.stride == 0 else ()
         return (*merge, *((("send", self._due(step)),) if step % self.stride == 0 else ()))
 
@@ -135,7 +139,7 @@ class StreamingDiLoCo(Sync):
         return (step % self.every // self.stride - 1) % self.fragments
 
     def agrees_after(self, step: int, last_step: int) -> bool:
-        return step == last_step or (self.fragments == 1 and self.delay == 0 and step % self.every == 0)
+        return step == last_step or (self.fragments == 1 and self.sync_delay == 0 and step % self.every == 0)
 
     def syncs(self, step: int, last_step: int) -> int:
         """Fragment syncs (each 1/F of the model) in the first `step` steps; the final meeting counts F."""
@@ -171,7 +175,7 @@ class StreamingDiLoCo(Sync):
         for p, change in zip(self._meeting(key), mean, strict=True):
             updates, outer_states[p] = self.outer().update(change, outer_states[p], pieces(theta, frags[p]))
             theta = with_pieces(theta, frags[p], optax.apply_updates(pieces(theta, frags[p]), updates))
-            if key == FINAL or self.delay == 0:
+            if key == FINAL or self.sync_delay == 0:
                 params = with_pieces(params, frags[p], pieces(theta, frags[p]))
         return params, {"params": theta, "optimizer": tuple(outer_states)}
 
@@ -201,21 +205,14 @@ def _global_params(state: PyTree) -> PyTree:
     return state["params"]
 
 
-def streaming_diloco(every: int = DEFAULT_EVERY, fragments: int | None = None, sync_delay: int | None = None,
-                     outer_dtype: str | None = None, outer_optimizer: str | None = None, outer_lr: float | None = None,
-                     outer_momentum: float | None = None) -> StreamingDiLoCo:
-    """Streaming DiLoCo: F `fragments` (None: 4) synced in turn every H = `every` steps, each applied
-    `sync_delay` steps later (None: 0) and mixed with α = 0.5, its outer gradients sent as `outer_dtype`
-    (None: float32), with DiLoCo's outer optimizer (`jdp.parallel.sync.outer_optimizer_of`'s settings).
+def streaming_diloco(every: int = DEFAULT_EVERY, **settings: object) -> StreamingDiLoCo:
+    """Streaming DiLoCo with H = `every` and `settings` (the fields of `StreamingDiLoCo`: `fragments`,
+    `sync_delay`, `mixing`, `outer_dtype`, and DiLoCo's `outer_optimizer`, `outer_lr`, `outer_momentum`).
 
     Raises:
       ConfigError: naming a setting that is out of range.
     """
-    return StreamingDiLoCo(
-        "streaming-diloco", every, configure=streaming_diloco,
-        fragments=DEFAULT_FRAGMENTS if fragments is None else fragments,
-        delay=0 if sync_delay is None else sync_delay, outer_dtype=outer_dtype or "float32",
-        outer=outer_optimizer_of(outer_optimizer, outer_lr, outer_momentum))
+    return StreamingDiLoCo("streaming-diloco", every, **settings)
 
 
 register(streaming_diloco())

@@ -57,8 +57,9 @@ class Sync:
       sent: (params, state) -> what each device hands the allreduce; None: its params.
       init: params -> the state before step 1; None: no state.
       model: state -> the one model to evaluate (and `train` to return); None: the replicas' mean.
-      configure: (every, **settings) -> the algorithm with these settings (DiLoCo's outer optimizer, ...);
-        its keywords are the settings `from_settings` (`TrainConfig`, the CLI) passes it. None: it has none.
+      configure: (every, **settings) -> the algorithm with these settings (DiLoCo's outer optimizer);
+        its keywords are the settings `from_settings` (`TrainConfig`, the CLI) passes it. None: a
+        subclass's own fields are its settings (Streaming DiLoCo's), else it has none.
 
     A subclass may meet differently (`jdp.parallel.streaming`): overriding `meetings` (which meetings follow a
     step), `send` and `receive` (what one meeting sends and makes of the mean), `reducer` (what sums it),
@@ -250,16 +251,18 @@ def from_settings(sync: "str | Sync", every: int | None = None, **settings: obje
             owners = " or ".join(f"`sync={other}`" for other in _SYNCS if name in _settings_of(_SYNCS[other]))
             raise ConfigError(f"`{name}={value}` is a setting of {owners or 'no registered sync algorithm'}, "
                               f"not of `sync={chosen.name}`.")
-    if given:  # built anew with its H and these settings, each checked by the algorithm
-        return check(chosen.configure(chosen.every if every is None else every, **given))
-    return check(dataclasses.replace(chosen, every=every)) if every is not None and chosen.local else chosen
+    every = chosen.every if every is None or not chosen.local else every
+    if chosen.configure is not None and given:  # built anew with its H and these settings, each checked there
+        return check(chosen.configure(every, **given))
+    return check(dataclasses.replace(chosen, every=every, **given))  # a subclass's fields, checked when made
 
 
 def _settings_of(sync: Sync) -> tuple[str, ...]:
-    """The names of the settings `sync.configure` takes, besides H."""
-    if sync.configure is None:
-        return ()
-    return tuple(name for name in inspect.signature(sync.configure).parameters if name != "every")
+    """The names of the settings `sync.configure` takes besides H, or else those a subclass adds as fields."""
+    if sync.configure is not None:
+        return tuple(name for name in inspect.signature(sync.configure).parameters if name != "every")
+    base = {field.name for field in dataclasses.fields(Sync)}
+    return tuple(field.name for field in dataclasses.fields(sync) if field.init and field.name not in base)
 
 
 def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[jax.Device],

@@ -63,6 +63,7 @@ class TrainConfig:
     fragments: int | None = None  # streaming-diloco: F, parts of the model synced in turn; None: 4
     sync_delay: int | None = None  # streaming-diloco: TAU, steps between a fragment's send and its merge; None: 0
     outer_dtype: str | None = None  # streaming-diloco: float32, bf16, fp8 or int8 outer gradients; None: float32
+    mixing: float | None = None  # streaming-diloco: α, the local params' weight when a late fragment merges; None: 0.5
     model_impl: dataclasses.InitVar[str | None] = None  # the earlier name of `formulation`, still accepted
 
     def __post_init__(self, model_impl: str | None) -> None:
@@ -135,7 +136,7 @@ class TrainConfig:
         return sync_lib.from_settings(self.sync, self.sync_every, outer_optimizer=self.outer_optimizer,
                                       outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
                                       fragments=self.fragments, sync_delay=self.sync_delay,
-                                      outer_dtype=self.outer_dtype)
+                                      outer_dtype=self.outer_dtype, mixing=self.mixing)
 
     def strategy(self) -> Allreduce:
         """The allreduce strategy, fused and compressed if asked."""
