@@ -66,6 +66,7 @@ def test_the_exactness_test_can_fail(settings, devices):
 
 @pytest.mark.parametrize("settings", [
     {"fragments": 4, "sync_delay": 1, "outer_dtype": "int8"},
+    {"fragments": 4, "sync_delay": 1, "outer_dtype": "int8", "error_feedback": True},  # a per-device state part
     pytest.param({"fragments": 2, "outer_dtype": "fp8"}, marks=pytest.mark.slow),
     pytest.param({"fragments": 4, "outer_dtype": "bf16", "allreduce": "manual"}, marks=pytest.mark.slow),
     pytest.param({"fragments": 4, "sync_delay": 3, "allreduce": "ring", "backend": "shard_map"},
@@ -113,6 +114,23 @@ def test_a_late_fragment_is_mixed_and_only_it():
     assert same is state
     expected = np.concatenate([np.arange(5.0) + 100, 0.25 * (np.arange(5.0, 10.0) + 100) + 0.75 * np.arange(5.0, 10.0)])
     assert np.concatenate([np.ravel(merged["a"]), merged["b"]]).tolist() == expected.tolist()
+
+
+def test_error_feedback_keeps_what_the_wire_lost_and_sends_it_next_time():
+    sync = jdp.streaming_diloco(8, fragments=2, outer_dtype="int8", error_feedback=True)
+    params = {"w": jax.random.normal(jax.random.key(3), (40,))}
+    state = sync.init(jax.tree.map(jnp.zeros_like, params))  # θ = 0, no error yet
+    (sent,) = sync.send(params, state, ("send", 0))
+    _, state = sync.receive((sent,), params, state, ("send", 0))
+    x = -params["w"][:20]  # θ − θ_i over fragment 0
+    q, scale = compress.quantize(x, "int8")
+    lost = np.asarray(state["error"]["w"])
+    assert np.array_equal(lost[:20], np.asarray(x - compress.dequantize(q, scale)))  # kept exactly
+    assert 0 < np.max(np.abs(lost[:20])) <= float(scale) / 2 * (1 + 1e-6) and not lost[20:].any()
+    (again,) = sync.send(params, state, ("send", 0))  # the next send of fragment 0 carries it
+    theta = np.asarray(state["params"]["w"][:20])
+    assert np.allclose(np.asarray(again[0]), theta - np.asarray(params["w"][:20]) + lost[:20], atol=1e-6)
+    assert sync.state_kind == {"params": "replicated", "optimizer": "replicated", "error": "per_device"}
 
 
 @pytest.mark.parametrize("sizes, fragments", [([150, 6, 2400, 16, 48000, 120, 10080, 84, 840, 10], 4),
@@ -199,10 +217,10 @@ def test_the_state_holds_theta_and_one_outer_state_per_fragment():
 
 @pytest.mark.slow  # the fast tier resumes DiLoCo mid-interval (tests/test_sync.py), the same machinery
 def test_streaming_resumed_mid_interval_ends_bit_identical(tmp_path, devices):
-    """Killed after step 6 of H = 8, F = 4, TAU = 1, int8 (fragment 2 sent at 6, its merge due at 7):
-    resumed, the run ends with the same params and history as an uninterrupted one, bit for bit."""
+    """Killed after step 6 of H = 8, F = 4, TAU = 1, int8 with error feedback (fragment 2 sent at 6, its merge
+    due at 7): resumed, the run ends with the same params and history as an uninterrupted one, bit for bit."""
     config = dataclasses.replace(BASE, epochs=1, sync="streaming-diloco", sync_every=8, fragments=4, sync_delay=1,
-                                 outer_dtype="int8")
+                                 outer_dtype="int8", error_feedback=True)
     whole, whole_history = train(dataclasses.replace(config, epochs=2), SMALL, devices[:4])
     train(config, SMALL, devices[:4], checkpoints=jdp.Checkpoints(tmp_path, checkpoint_every=3))  # 3, 6, 8
     newest = checkpoint.list_checkpoints(tmp_path)[0]
@@ -227,6 +245,7 @@ def test_streaming_resumed_mid_interval_ends_bit_identical(tmp_path, devices):
     ({"sync": "diloco", "fragments": 2}, "`fragments=2` is a setting of `sync=streaming-diloco`, not of "
                                          "`sync=diloco`"),
     ({"sync": "streaming-diloco", "outer_lr": -1.0}, "`outer_lr` must be positive"),
+    ({"sync": "streaming-diloco", "error_feedback": True}, "with `outer_dtype=float32` nothing is"),
 ])
 def test_bad_settings_are_refused_by_name(settings, message):
     with pytest.raises(ConfigError, match=message):

@@ -192,6 +192,9 @@ def _add_sync_flags(train: argparse.ArgumentParser) -> None:
     sync.add_argument("--outer-dtype", default=None, choices=WIRE_DTYPES,
                       help="streaming-diloco: the outer gradients on the wire (default float32: the run's "
                       "--allreduce; else quantized, all-gathered and added in float32)")
+    sync.add_argument("--error-feedback", action="store_true", default=None,
+                      help="streaming-diloco with --outer-dtype bf16|fp8|int8: each device keeps what quantizing "
+                      "lost of its outer gradient and adds it to the next one")
     sync.add_argument("--simulate-straggler", default=None, metavar="PROCESS:SECONDS[:EVERY]",
                       help="multi-process: process PROCESS sleeps SECONDS before every EVERY-th step (default every "
                       "step); every process times its steps and syncs, and the run reports them per process")

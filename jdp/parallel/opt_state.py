@@ -50,8 +50,10 @@ class OptState:
       sharded: ZeRO: each device holds 1/k of the per-element state.
       strategy: the allreduce strategy; a stateful one keeps its per-device state here too.
       local: a local sync mode (`jdp.parallel.sync`): each device keeps its own optimizer state.
-      sync_init: params -> the sync algorithm's own state (`Sync.init`), which the state holds too,
-        replicated; None: none.
+      sync_init: params -> the sync algorithm's own state (`Sync.init`), which the state holds too;
+        None: none.
+      sync_kind: its placement kinds (`Sync.state_kind`, a pytree prefix of it): replicated, or with a
+        part each device keeps for itself (Streaming DiLoCo's error feedback) `per_device`.
     """
 
     optimizer: "optax.GradientTransformation"
@@ -61,6 +63,7 @@ class OptState:
     strategy: Allreduce | None = None
     local: bool = False
     sync_init: Callable[[PyTree], PyTree] | None = None
+    sync_kind: Kinds = "replicated"
 
     @property
     def per_device_strategy_state(self) -> bool:
@@ -82,7 +85,7 @@ class OptState:
         """The placement kinds of the whole state, a pytree prefix of it."""
         if not (self.per_device_strategy_state or self.has_sync_state):
             return self.optimizer_kind
-        return self.join(self.optimizer_kind, "per_device", "replicated")
+        return self.join(self.optimizer_kind, "per_device", self.sync_kind)
 
     def split(self, state: PyTree) -> tuple[PyTree, PyTree]:
         """(the optimizer's part, the strategy's per-device part or None); on the devices or in a step."""
@@ -117,7 +120,10 @@ class OptState:
         if self.per_device_strategy_state:
             one = jax.device_get(self.strategy.init(key, params))  # the same on every device at first
             strategy_state = copies(one, k)
-        sync_state = self.sync_init(params) if self.has_sync_state else None
+        sync_state = None
+        if self.has_sync_state:  # a per-device part: the same on every device at first
+            sync_state = jax.tree.map(lambda kind, part: copies(part, k) if kind == "per_device" else part,
+                                      self.sync_kind, self.sync_init(params))
         return self.join(optimizer_state, strategy_state, sync_state)
 
     def place(self, host: PyTree, devices: list[jax.Device], backend: Backend) -> PyTree:
@@ -147,7 +153,8 @@ class OptState:
         mode's devices each keep their own optimizer state, the sync's own state is the same everywhere."""
         optimizer_state, _ = self.split(state)
         if self.local:
-            return self.sync_state(state)
+            return jax.tree.map(lambda kind, part: None if kind == "per_device" else part, self.sync_kind,
+                                self.sync_state(state))
         if not self.sharded:
             return optimizer_state
         return [leaf for leaf, sliced in zip(jax.tree.leaves(optimizer_state), self._sliced, strict=True)

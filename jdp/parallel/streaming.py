@@ -14,7 +14,8 @@ model's size. Streaming DiLoCo changes three things, each a setting here:
   At TAU = 0 the fragment is replaced by the outer result, as in DiLoCo.
 * **outer_dtype**: the outer gradients cross the wire as float32 (the run's allreduce strategy), or
   as bf16, fp8 (e4m3) or int8, each device's quantized with its own scale, all-gathered and added in
-  float32 (`jdp.parallel.compress.quantized`).
+  float32 (`jdp.parallel.compress.quantized`). With **error_feedback**, what quantizing lost of a
+  device's outer gradient is kept on that device and added to its next one for that fragment.
 
 After the run's last step every fragment meets at once and is replaced (one model, as DiLoCo ends).
 With F = 1, TAU = 0 and float32 it is DiLoCo, bit for bit.
@@ -34,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdp.errors import ConfigError
-from jdp.parallel.compress import WIRE_DTYPES, quantized
+from jdp.parallel.compress import WIRE_DTYPES, dequantize, quantize, quantized
+from jdp.parallel.layout import Kinds
 from jdp.parallel.strategy import Allreduce
 from jdp.parallel.sync import DEFAULT_EVERY, Sync, outer_optimizer_of, register
 from jdp.types import PyTree
@@ -86,13 +88,15 @@ class StreamingDiLoCo(Sync):
     """Streaming DiLoCo's schedule and meetings (the module docstring); `streaming_diloco` builds it. Its
     settings are its fields, each checked when it is made (and by `dataclasses.replace`).
 
-    Its state: {"params": θ, the global params, "optimizer": (the outer optimizer's state of each fragment)}.
+    Its state: {"params": θ, the global params, "optimizer": (the outer optimizer's state of each fragment)},
+    and with error feedback "error": each device's own, the params' shape.
     """
 
     fragments: int = DEFAULT_FRAGMENTS
     sync_delay: int = 0
     mixing: float = DEFAULT_MIXING
     outer_dtype: str = "float32"
+    error_feedback: bool = False
     outer_optimizer: str | None = None  # DiLoCo's outer optimizer and its settings (None: the paper's)
     outer_lr: float | None = None
     outer_momentum: float | None = None
@@ -110,9 +114,12 @@ class StreamingDiLoCo(Sync):
             raise ConfigError(f"`mixing` must be in [0, 1], got {self.mixing}.")
         if self.outer_dtype not in WIRE_DTYPES:
             raise ConfigError(f"Unknown `outer_dtype={self.outer_dtype}`; choose one of: {', '.join(WIRE_DTYPES)}.")
+        if self.error_feedback and self.outer_dtype == "float32":
+            raise ConfigError("`error_feedback=True` keeps what quantizing the outer gradients loses; with "
+                              "`outer_dtype=float32` nothing is. Add a narrower `outer_dtype` or drop it.")
         object.__setattr__(self, "outer", outer_optimizer_of(self.outer_optimizer, self.outer_lr, self.outer_momentum))
         object.__setattr__(self, "init", functools.partial(_initial_state, fragments=self.fragments,
-                                                           outer=self.outer))
+                                                           outer=self.outer, error_feedback=self.error_feedback))
         object.__setattr__(self, "model", _global_params)
 
     @property
@@ -147,6 +154,13 @@ class StreamingDiLoCo(Sync):
         return regular if step < last_step else regular - (step % self.stride == 0) + self.fragments
 
     @property
+    def state_kind(self) -> Kinds:
+        """θ and the outer states are the same everywhere; the error feedback is each device's own."""
+        if not self.error_feedback:
+            return "replicated"
+        return {"params": "replicated", "optimizer": "replicated", "error": "per_device"}
+
+    @property
     def payload_fraction(self) -> float:
         return jnp.dtype(WIRE_DTYPES[self.outer_dtype]).itemsize / 4 / self.fragments
 
@@ -158,9 +172,16 @@ class StreamingDiLoCo(Sync):
         """The change θ − θ_i of the fragments that meet, one tuple of pieces each; None at a merge."""
         if key != FINAL and key[0] == "merge":
             return None
-        change = jax.tree.map(lambda theta, p: theta - p, state["params"], params)
         frags = _fragments(params, self.fragments)
-        return tuple(pieces(change, frags[p]) for p in self._meeting(key))
+        return tuple(self._outer_gradient(params, state, frags[p]) for p in self._meeting(key))
+
+    def _outer_gradient(self, params: PyTree, state: PyTree, fragment: Slices) -> tuple[jax.Array, ...]:
+        """This device's θ − θ_i over `fragment`, plus what quantizing it lost before (error feedback)."""
+        change = tuple(theta - mine for theta, mine in zip(pieces(state["params"], fragment),
+                                                           pieces(params, fragment), strict=True))
+        if not self.error_feedback:
+            return change
+        return tuple(c + e for c, e in zip(change, pieces(state["error"], fragment), strict=True))
 
     def receive(self, mean: tuple | None, params: PyTree, state: PyTree, key: Hashable) -> tuple[PyTree, PyTree]:
         """The outer step on each fragment sent, then its local params replaced (TAU = 0, or the final
@@ -168,16 +189,22 @@ class StreamingDiLoCo(Sync):
         import optax
 
         frags, theta, outer_states = _fragments(params, self.fragments), state["params"], list(state["optimizer"])
+        error = state.get("error")
         if key != FINAL and key[0] == "merge":
             mine, outer = pieces(params, frags[key[1]]), pieces(theta, frags[key[1]])
             mixed = tuple(self.mixing * a + (1 - self.mixing) * b for a, b in zip(mine, outer, strict=True))
             return with_pieces(params, frags[key[1]], mixed), state
         for p, change in zip(self._meeting(key), mean, strict=True):
+            if error is not None:  # what the wire lost of this device's outer gradient, kept for the next send
+                sent = self._outer_gradient(params, state, frags[p])
+                error = with_pieces(error, frags[p], tuple(x - dequantize(*quantize(x, self.outer_dtype))
+                                                           for x in sent))
             updates, outer_states[p] = self.outer().update(change, outer_states[p], pieces(theta, frags[p]))
             theta = with_pieces(theta, frags[p], optax.apply_updates(pieces(theta, frags[p]), updates))
             if key == FINAL or self.sync_delay == 0:
                 params = with_pieces(params, frags[p], pieces(theta, frags[p]))
-        return params, {"params": theta, "optimizer": tuple(outer_states)}
+        kept = {"params": theta, "optimizer": tuple(outer_states)}
+        return params, kept if error is None else {**kept, "error": error}
 
     def reducer(self, strategy: Allreduce) -> Allreduce:
         """The run's strategy for float32 outer gradients; for a narrower `outer_dtype`, the quantized all-gather.
@@ -196,9 +223,10 @@ class StreamingDiLoCo(Sync):
         return range(self.fragments) if key == FINAL else range(key[1], key[1] + 1)
 
 
-def _initial_state(params: PyTree, fragments: int, outer: Callable) -> PyTree:
-    return {"params": params,
-            "optimizer": tuple(outer().init(pieces(params, f)) for f in _fragments(params, fragments))}
+def _initial_state(params: PyTree, fragments: int, outer: Callable, error_feedback: bool) -> PyTree:
+    state = {"params": params,
+             "optimizer": tuple(outer().init(pieces(params, f)) for f in _fragments(params, fragments))}
+    return {**state, "error": jax.tree.map(jnp.zeros_like, params)} if error_feedback else state
 
 
 def _global_params(state: PyTree) -> PyTree:

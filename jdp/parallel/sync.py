@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from jdp.errors import ConfigError
-from jdp.parallel.layout import Backend, map_over_devices
+from jdp.parallel.layout import Backend, Kinds, map_over_devices
 from jdp.parallel.opt_state import OptState
 from jdp.parallel.strategy import Allreduce
 from jdp.runtime.devices import AXIS
@@ -100,6 +100,11 @@ class Sync:
     def agrees_after(self, step: int, last_step: int) -> bool:
         """Whether every device holds the same params after `step` (what `check_replicas` compares then)."""
         return self.due(step, last_step)
+
+    @property
+    def state_kind(self) -> Kinds:
+        """The placement kinds of its state, a pytree prefix of it: the same on every device."""
+        return "replicated"
 
     @property
     def payload_fraction(self) -> float:
@@ -299,7 +304,7 @@ def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[
                                 donate=(0, 1))
 
     def outside(key):
-        kinds = ("per_device", "replicated")  # the params (or what is sent), the sync's state
+        kinds = ("per_device", opt.sync_kind)  # the params (or what is sent), the sync's state
         if sync.sends_params:  # no call before the transfers
             p_sent = lambda params, state: params  # noqa: E731
         else:
@@ -335,7 +340,7 @@ def make_consensus(sync: Sync, opt: OptState, devices: Sequence[jax.Device],
     `sync.model` of its state (DiLoCo: θ, the global params of the last sync), else the average of the
     devices' params (local SGD; an evaluation's own sum, not counted as the run's communication)."""
     if sync.model is not None:
-        model = map_over_devices(lambda state: (sync.model(state),), devices, backend, ("replicated",),
+        model = map_over_devices(lambda state: (sync.model(state),), devices, backend, (opt.sync_kind,),
                                  ("replicated",))
         return lambda params, opt_state: model(opt.sync_state(opt_state))[0]
     k = len(devices)

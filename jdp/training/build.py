@@ -80,5 +80,6 @@ def build_run(config: TrainConfig, devices: Sequence[jax.Device]) -> BuiltRun:
     strategy = config.strategy()
     trainable = jax.eval_shape(lambda: models.trainable(model, model.init(jax.random.key(0))))
     opt = OptState(optimizer, trainable, len(devices), sharded=config.shard_optimizer, strategy=strategy,
-                   local=sync.local, sync_init=sync.init)
+                   local=sync.local, sync_init=sync.init,
+                   sync_kind=sync.state_kind)
     return BuiltRun(config, tuple(devices), model, optimizer, strategy, sync, opt)

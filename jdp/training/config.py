@@ -64,6 +64,7 @@ class TrainConfig:
     sync_delay: int | None = None  # streaming-diloco: TAU, steps between a fragment's send and its merge; None: 0
     outer_dtype: str | None = None  # streaming-diloco: float32, bf16, fp8 or int8 outer gradients; None: float32
     mixing: float | None = None  # streaming-diloco: α, the local params' weight when a late fragment merges; None: 0.5
+    error_feedback: bool | None = None  # streaming-diloco, a narrow outer_dtype: keep what quantizing lost; None: no
     model_impl: dataclasses.InitVar[str | None] = None  # the earlier name of `formulation`, still accepted
 
     def __post_init__(self, model_impl: str | None) -> None:
@@ -136,7 +137,8 @@ class TrainConfig:
         return sync_lib.from_settings(self.sync, self.sync_every, outer_optimizer=self.outer_optimizer,
                                       outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
                                       fragments=self.fragments, sync_delay=self.sync_delay,
-                                      outer_dtype=self.outer_dtype, mixing=self.mixing)
+                                      outer_dtype=self.outer_dtype, mixing=self.mixing,
+                                      error_feedback=self.error_feedback)
 
     def strategy(self) -> Allreduce:
         """The allreduce strategy, fused and compressed if asked."""
@@ -147,7 +149,8 @@ class TrainConfig:
         """How this run keeps its optimizer state for `trainable` params on `device_count` devices."""
         sync = self.build_sync()
         return OptState(self.build_optimizer(), trainable, device_count, sharded=self.shard_optimizer,
-                        strategy=self.strategy(), local=sync.local, sync_init=sync.init)
+                        strategy=self.strategy(), local=sync.local, sync_init=sync.init,
+                        sync_kind=sync.state_kind)
 
     def check_fits(self, train_images: int, device_count: int) -> None:
         """Raises ConfigError if the batch cannot be split over the devices or exceeds the train set."""
