@@ -81,24 +81,33 @@ def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
 
 def quantized(wire: str) -> Allreduce:
     """The allreduce of Streaming DiLoCo's low-precision outer gradients: each device's leaves quantized
-    to `wire` with its own scale, all-gathered in that dtype, then dequantized and added in float32,
-    in device order, on every device (so every device holds the same sum, bit for bit)."""
+    to `wire`, each with its own scale, all-gathered in that dtype in one buffer (and the scales in a
+    second), then dequantized and added in float32, in device order, on every device (so every device
+    holds the same sum, bit for bit). Two messages per sum, whatever the leaves: a sync is latency-bound."""
     if wire not in WIRE_DTYPES:
         raise ConfigError(f"Unknown wire dtype `{wire}`; choose one of: {', '.join(WIRE_DTYPES)}.")
     itemsize = jnp.dtype(WIRE_DTYPES[wire]).itemsize
 
-    def one(x, axis):
-        q, scale = quantize(x, wire)
-        carried = lax.bitcast_convert_type(q, jnp.uint8) if itemsize == 1 and wire != "int8" else q
-        everyone = lax.all_gather(carried, axis)  # (k, ...): every device's quantized leaf
-        if carried is not q:
-            everyone = lax.bitcast_convert_type(everyone, q.dtype)
-        scales = lax.all_gather(scale, axis).reshape(-1, *[1] * x.ndim)
-        return jnp.sum(dequantize(everyone, scales), axis=0).astype(x.dtype)
+    def fn(tree, axis):
+        leaves, structure = jax.tree.flatten(tree)
+        if not leaves:
+            return tree
+        quantized_leaves, scales = zip(*(quantize(x, wire) for x in leaves), strict=True)
+        flat = jnp.concatenate([q.reshape(-1) for q in quantized_leaves])
+        carried = lax.bitcast_convert_type(flat, jnp.uint8) if itemsize == 1 and wire != "int8" else flat
+        everyone = lax.all_gather(carried, axis)  # (k, n): every device's quantized leaves, one buffer
+        if carried is not flat:
+            everyone = lax.bitcast_convert_type(everyone, flat.dtype)
+        all_scales = lax.all_gather(jnp.stack(scales), axis)  # (k, leaves)
+        sums, start = [], 0
+        for i, x in enumerate(leaves):
+            rows = everyone[:, start:start + x.size].reshape(-1, *x.shape)
+            sums.append(jnp.sum(dequantize(rows, all_scales[:, i].reshape(-1, *[1] * x.ndim)), axis=0).astype(x.dtype))
+            start += x.size
+        return jax.tree.unflatten(structure, sums)
 
     name = f"gather+{wire}"
-    return Allreduce(name, lambda tree, axis: jax.tree.map(lambda x: one(x, axis), tree),
-                     cost=gathered(itemsize / 4, name))
+    return Allreduce(name, fn, cost=gathered(itemsize / 4, name))
 
 
 # --- PowerSGD ---------------------------------------------------------------------------------

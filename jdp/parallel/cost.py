@@ -259,13 +259,14 @@ def __getattr__(name: str):
 
 def gathered(ratio: float, name: str) -> Cost:
     """The cost of an allreduce by all-gather (`jdp.parallel.compress.quantized`): each device sends its
-    buffer, cast to `ratio` of its bytes, to each of the k − 1 others (a ring of k − 1 steps), then
-    adds the k buffers itself. Across nodes every step crosses between them. Fitted as `name`, else as the ring."""
+    leaves in one buffer, cast to `ratio` of their bytes, to each of the k − 1 others (a ring of k − 1
+    steps), then adds the k buffers itself (the scales' own gather, a few bytes, is not counted). Across
+    nodes every step crosses between them. Fitted as `name`, else as the ring."""
 
     def terms(k: int, leaf_bytes: Sequence[float], per_node: int | None) -> Levels:
-        one = Terms()
-        for nbytes in filter(lambda b: b > 0, leaf_bytes):
-            one += Terms(k - 1, (k - 1) * nbytes * ratio, (k - 1) * nbytes, k * (k - 1) * nbytes * ratio)
+        nbytes = float(sum(leaf_bytes))
+        one = Terms(k - 1, (k - 1) * nbytes * ratio, (k - 1) * nbytes, k * (k - 1) * nbytes * ratio) \
+            if k > 1 and nbytes > 0 else Terms()
         return {"intra": one, "inter": Terms()} if min(k, per_node or k) == k else {"intra": Terms(), "inter": one}
 
     return Cost(terms, (name, "ring"))
