@@ -3,13 +3,13 @@
 Every run is one `jdp launch --hosts 2 --nic RATE -- jdp train --backend shard_map` of the lesson's LeNet
 (batch 256, 128 per host). A run's accuracies do not depend on the NIC (the same program on the same data,
 bit for bit; the script checks it), only its time does. So each row trains once for `--epochs` at the first
-rate, which gives its accuracy after each epoch, and for 2 epochs at each other rate and at an unlimited one
+rate, which gives its accuracy after each epoch, and for 3 epochs at each other rate and at an unlimited one
 (40gbit: the wire is no limit), which give the epoch's time there: epoch 1 (it compiles) and then epoch 2
-for every later one. Per row and rate: the training loop's wall time until the test accuracy first reaches
+for every later one (epoch 3 ends with a local mode's final sync). Per row and rate: the training loop's wall time until the test accuracy first reaches
 0.80 and 0.85 (in whole epochs), the accuracy after the last epoch, the MB each host sent, and the cost
 model's wall time: the row's time at the unlimited rate plus, per sync, the bytes its strategy sends across
 the NICs at RATE (b·β of `jdp.bench.nic_model`; the messages' α is inside the unlimited run already).
-Needs root (network namespaces and `tc`); `--quick`: 3 rows, 2 epochs of synthetic data at 100mbit.
+Needs root (network namespaces and `tc`); `--quick`: 3 rows, 3 epochs of synthetic data at 100mbit.
 """
 
 import datetime
@@ -33,6 +33,7 @@ ROWS = {  # name -> jdp train flags: every-step sums first, then syncs every H s
     "streaming-int8": [*STREAMING, "--outer-dtype", "int8"], "streaming-fp8": [*STREAMING, "--outer-dtype", "fp8"],
     "streaming-int8-mixing0": [*STREAMING, "--outer-dtype", "int8", "--mixing", "0"],
 }
+SHORT_EPOCHS = 3  # epoch 1 compiles; epoch 3 ends with a local mode's final sync (and compiles Streaming DiLoCo's)
 QUICK_ROWS, QUICK_DATA = ("psum", "diloco-h16", "streaming-int8"), ["--dataset", "synthetic"]
 
 
@@ -135,13 +136,14 @@ def main() -> None:
         p.error(f"--rows: no row {', '.join(unknown)}; the rows: {', '.join(ROWS)}")
     names = (*first, *(name for name in names if name not in first))
     data = QUICK_DATA if args.quick else ["--data-dir", args.data_dir]
-    epochs = 2 if args.quick else args.epochs
+    epochs = SHORT_EPOCHS if args.quick else args.epochs
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     rows = []
     for name in names:
         long = launched(name, rates[0], [*data, "--epochs", str(epochs)], runs, args.reuse)
-        short = {rate: launched(name, rate, [*data, "--epochs", "2"], runs, args.reuse) for rate in rates[1:]}
-        unlimited = launched(name, UNLIMITED, [*data, "--epochs", "2"], runs, args.reuse)
+        short = {rate: launched(name, rate, [*data, "--epochs", str(SHORT_EPOCHS)], runs, args.reuse)
+                 for rate in rates[1:]}
+        unlimited = launched(name, UNLIMITED, [*data, "--epochs", str(SHORT_EPOCHS)], runs, args.reuse)
         rows += [summary(name, rate, long, short.get(rate, long), unlimited) for rate in rates]
     rows.sort(key=lambda r: (rates.index(r["rate"]), list(ROWS).index(r["row"])))
     load_after = Path("/proc/loadavg").read_text().split()[:3]
@@ -160,7 +162,7 @@ def main() -> None:
               f"Measured on {machine()}; JAX {jax.__version__}; {datetime.date.today().isoformat()}; load average "
               f"{' '.join(load_before)} before, {' '.join(load_after)} after. Times are the training loops' (epoch 1's "
               "includes compiling; evaluation is not counted): measured over all epochs at "
-              f"{rates[0]}, and from 2-epoch runs at the other rates (epoch 2's time for every later epoch; the "
+              f"{rates[0]}, and from {SHORT_EPOCHS}-epoch runs at the other rates (epoch 2's time for every later epoch; the "
               "accuracies are the same at every rate, checked on the short runs' first epoch: "
               "`same_accuracies_at_every_rate` in the JSON); "
               "MB sent per host: what jdp handed its allreduce; "

@@ -394,7 +394,8 @@ def launch_job(tmp_path, name, extra=()):
     return subprocess.Popen(
         [sys.executable, "-m", "jdp", "launch", "--num-processes", "2", "--cpu-devices-per-process", "1",
          "--timeout", "900", *extra, "--", "jdp", "train", *TRAIN, "--epochs", "3", "--checkpoint-dir",
-         str(tmp_path / name), "--checkpoint-every", "5"],
+         str(tmp_path / name), "--checkpoint-every", "5",
+         "--simulate-straggler", "1:0.01"],  # steps of 10 ms at least: the killer cannot miss its window
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
