@@ -25,7 +25,8 @@ def test_quick_mode_writes_outputs(name, tmp_path):
         assert record["identical"] is True and len({r["test_acc"] for r in record["results"]}) == 1
 
 
-@pytest.mark.parametrize("name", ["reproduce", "scaling", "eval", "concise", "local_sgd", "hierarchical", "network_faults"])
+@pytest.mark.parametrize("name", ["reproduce", "scaling", "eval", "concise", "local_sgd", "hierarchical", "network_faults",
+                                  "slow_network"])
 def test_help(name):
     result = subprocess.run([sys.executable, str(EXPERIMENTS / f"{name}.py"), "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "--quick" in result.stdout and "--data-dir" in result.stdout

@@ -9,6 +9,7 @@ from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "multiple_devices_from_scratch.ipynb"
 WHICH_ALLREDUCE = NOTEBOOK.parent / "which_allreduce.ipynb"
+SLOW_NETWORK = NOTEBOOK.parent / "slow_network.ipynb"
 
 
 def execute_quick(path: Path, folder: Path, monkeypatch) -> nbformat.NotebookNode:
@@ -66,3 +67,39 @@ def test_committed_which_allreduce_keeps_a_full_run():
     assert "4194304" in "".join(out.get("text", "") for out in outputs), "commit it after a full (not quick) run"
     assert sum("image/png" in out.get("data", {}) for out in outputs) == 3
 
+
+@pytest.mark.slow
+def test_slow_network_notebook_runs_its_quick_experiment(tmp_path, monkeypatch):
+    """notebooks/slow_network.ipynb in quick mode: three rows on an emulated 2-host cluster at 100mbit, the
+    table with the cost model's prediction beside each, and both figures."""
+    import shutil
+
+    from jdp.runtime import cluster
+
+    missing = cluster.missing_privileges(cluster.effective_capabilities(), shutil.which)
+    if missing is not None:
+        pytest.skip(f"no emulated cluster here: {missing}")
+    notebook = execute_quick(SLOW_NETWORK, tmp_path, monkeypatch)
+    outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.get("outputs", [])]
+    assert not any(out.get("output_type") == "error" for out in outputs)
+    table = "".join(out.get("data", {}).get("text/markdown", "") for out in outputs)
+    assert all(f"| 100mbit | {row} |" in table for row in ("psum", "diloco-h16", "streaming-int8"))
+    assert sum("image/png" in out.get("data", {}) for out in outputs) == 2
+    record = json.loads((tmp_path / "slow_network" / "slow-network.json").read_text())
+    assert [r["row"] for r in record["rows"]] == ["psum", "diloco-h16", "streaming-int8"]
+    streaming, psum = record["rows"][2], record["rows"][0]
+    assert 0 < streaming["mb_sent_per_host"] < psum["mb_sent_per_host"] / 10  # 16 steps: 1/4 of the model in int8
+    assert all(len(r["nic_mb_sent"]) == 2 and r["predicted_wall_s"] > 0 for r in record["rows"])
+
+
+def test_committed_slow_network_keeps_a_full_run():
+    """The committed copy shows the full table (every row at each of the three rates) and both figures."""
+    notebook = nbformat.read(SLOW_NETWORK, as_version=4)
+    outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.get("outputs", [])]
+    table = "".join(out.get("data", {}).get("text/markdown", "") for out in outputs)
+    rows = ("psum", "ring", "hierarchical", "bf16-wire", "powersgd-r2", "local-sgd-h16", "diloco-h16", "diloco-h64",
+            "streaming-int8", "streaming-fp8")
+    missing = [f"{rate} {row}" for rate in ("1gbit", "100mbit", "10mbit") for row in rows
+               if f"| {rate} | {row} |" not in table]
+    assert not missing and "Fashion-MNIST" in table, f"commit it after a full (not quick) run; missing: {missing}"
+    assert sum("image/png" in out.get("data", {}) for out in outputs) == 2
