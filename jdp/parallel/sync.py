@@ -137,7 +137,7 @@ def _mean_of_replicas(mean: PyTree, state: PyTree) -> tuple[PyTree, PyTree]:
 
 
 def outer_optimizer_of(name: str | None = None, lr: float | None = None,
-                    momentum: float | None = None) -> Callable[[], "optax.GradientTransformation"]:
+                      momentum: float | None = None) -> Callable[[], "optax.GradientTransformation"]:
     """DiLoCo's outer optimizer, checked: SGD with Nesterov momentum (the paper's), or SGD (plain, or
     heavy-ball `momentum`); None: the paper's settings. Returned as a builder, called where it is used
     (`import jdp` stays light: no optax).

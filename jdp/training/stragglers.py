@@ -11,7 +11,7 @@ times of all processes are gathered at the end.
 import dataclasses
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -58,9 +58,9 @@ class Stopwatch:
 
     straggler: Straggler
     seconds: dict[str, float] = dataclasses.field(default_factory=lambda: {"step": 0.0, "sync": 0.0})
-    counts: dict[str, int] = dataclasses.field(default_factory=lambda: {"step": -1, "sync": 0})  # -1: compiles
+    counts: dict[str, int] = dataclasses.field(default_factory=lambda: {"step": 0, "sync": 0})
     delayed_seconds: float = 0.0
-    _compiled: set = dataclasses.field(default_factory=set)  # the meetings' keys already run
+    _compiled: set = dataclasses.field(default_factory=set)  # the programs already run once: "step", ("sync", key)
 
     def step(self, step: Callable, number: Callable[[], int]) -> Callable:
         """`step`, preceded by the straggler's sleep (on its process, every `every`-th `number()`) and timed."""
@@ -69,7 +69,7 @@ class Stopwatch:
             if jax.process_index() == self.straggler.process and number() % self.straggler.every == 0:
                 time.sleep(self.straggler.seconds)
                 self.delayed_seconds += self.straggler.seconds
-            return self._timed("step", step, args)
+            return self._timed("step", "step", step, args)
 
         return delayed
 
@@ -77,24 +77,23 @@ class Stopwatch:
         """`meet(params, opt_state, key)` (a local mode's sync), timed to completion from its key's second call."""
 
         def timed(params: Any, opt_state: Any, key: Any) -> Any:
-            if key not in self._compiled:
-                self._compiled.add(key)
-                return jax.block_until_ready(meet(params, opt_state, key))
-            return self._timed("sync", meet, (params, opt_state, key))
+            return self._timed("sync", ("sync", key), meet, (params, opt_state, key))
 
         return timed
 
-    def _timed(self, what: str, fn: Callable, args: tuple) -> Any:
+    def _timed(self, what: str, program: Hashable, fn: Callable, args: tuple) -> Any:
+        """`fn(*args)` to completion, counted under `what` unless it is `program`'s first run (which compiles)."""
         start = time.perf_counter()
         out = jax.block_until_ready(fn(*args))
-        if self.counts[what] >= 0:  # the first call compiles: not counted
+        if program in self._compiled:
             self.seconds[what] += time.perf_counter() - start
-        self.counts[what] += 1
+            self.counts[what] += 1
+        self._compiled.add(program)
         return out
 
     def report(self) -> list[dict[str, float]]:
         """Every process's times, in process order (a collective: every process calls it)."""
-        steps, syncs = (max(self.counts[what], 0) for what in ("step", "sync"))
+        steps, syncs = self.counts["step"], self.counts["sync"]
         rows = per_process(np.array([steps, self.seconds["step"], syncs, self.seconds["sync"], self.delayed_seconds]))
         return [{"process": p, "steps": int(r[0]), "step_s": float(r[1] / max(r[0], 1)), "syncs": int(r[2]),
                  "sync_s": float(r[3] / max(r[2], 1)), "delayed_s": float(r[4])} for p, r in enumerate(rows)]
