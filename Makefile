@@ -23,7 +23,7 @@ $(BIN)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "make: no Python >= 3.11 found; pass PYTHON=/path/to/python3.11+" >&2; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-compile -e '.[test]'  # bytecode is compiled on first import, for the modules used
 	touch $@
 
 install: $(BIN)/.installed
