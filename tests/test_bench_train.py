@@ -119,11 +119,13 @@ def test_rounds_time_every_device_count_and_precision_in_turn(monkeypatch):
     monkeypatch.setattr(bench_train, "prepare", fake_prepare)
     monkeypatch.setattr(bench_train, "matmul_peak", lambda device, precision_name: 1e11)
     record = bench_train.bench_train(jax.devices()[:2], None, timing=bench_train.Timing(steps=4, rounds=2),
-                                     precisions=("float32", "bf16"))
+                                     precisions=("float32", "bf16"), baseline=BASE)
     assert visits == [(r, k, name) for r in range(2) for k in (1, 2) for name in ("float32", "bf16")]
     first = record["results"][0]
     assert (first["devices"], first["precision"], first["epoch_s"]) == (1, "float32", [1.0, 1.1])
     assert first["overhead"] == 1.0 and first["images_per_s"] == 4 * 256 / 1.0
+    per_image = bench_train.flops_per_image()  # twice the baseline's lesson (500 img/s) against the 100 GFLOP/s peak:
+    assert first["twice_lesson_fraction_of_peak"] == pytest.approx(2 * 500.0 * per_image / 1e11)
 
 
 def test_table_shows_each_precision_and_the_ratios():
@@ -131,7 +133,8 @@ def test_table_shows_each_precision_and_the_ratios():
         return {"precision": name, "devices": k, "epoch_s": [1.0], "floor_s": [1.0], "overhead": 1.0,
                 "overhead_cpu": 1.0, "images_per_s": images_per_s, "floor_images_per_s": images_per_s,
                 "sec_per_epoch": 60000 / images_per_s, "achieved_flops": 1e9, "fraction_of_peak": 0.5,
-                "vs_1_device": 1.0, "vs_baseline": vs_base, "vs_lesson": images_per_s / 500.0, "formulation": "split-2"}
+                "vs_1_device": 1.0, "vs_baseline": vs_base, "vs_lesson": images_per_s / 500.0, "formulation": "split-2",
+                "twice_lesson_fraction_of_peak": 2 * 500.0 * 13.5e6 / {"float32": 1e11, "bf16": 2e11}[name]}
 
     record = {"results": [result("float32", 1, 1000.0, 1.0), result("bf16", 1, 2000.0, 2.0)],
               "matmul_peak_flops": {"float32": 1e11, "bf16": 2e11}, "flops_per_image": 13.5e6,
@@ -140,6 +143,7 @@ def test_table_shows_each_precision_and_the_ratios():
     assert lines[2].split()[:2] == ["float32", "1"] and lines[2].split()[-3:] == ["1.00x", "2.00x", "split-2"]
     assert lines[3].split()[:2] == ["bf16", "1"] and lines[3].split()[-3:] == ["2.00x", "4.00x", "split-2"]
     assert "float32 100.0, bf16 200.0" in lines[4] and "test box" in lines[5] and "(500 img/s)" in lines[5]
+    assert lines[2].split()[11] == "13.5%" and lines[3].split()[11] == "6.8%"  # 2x lesson: 2 * 500 * 13.5 MFLOP / peak
 
 
 def test_the_loop_bench_times_train_and_a_bare_loop_in_each_round(devices):

@@ -44,6 +44,10 @@ def test_op_seconds_counts_each_op_once_and_collectives_apart(tmp_path):
     ])
     got = profile.op_seconds(tmp_path / "t.json.gz")
     assert got == pytest.approx({"compute": 85e-6, "communication": 70e-6})
+    own = profile.op_own_seconds(tmp_path / "t.json.gz")
+    assert own == pytest.approx({"while.2": 50e-6, "collective-permute.1": 30e-6, "fusion.3": 20e-6, "psum.7": 40e-6,
+                                 "custom-call.8.clone__onednn$convolution": 15e-6})
+    assert profile.format_heaviest({name: 1e3 * s for name, s in own.items()}, count=2) == "while.2 0.05, psum.7 0.04"
 
 
 def test_profile_steps_must_be_a_window_of_the_run():
@@ -67,6 +71,10 @@ def test_a_profiled_run_writes_a_trace_and_its_breakdown(name, tmp_path, devices
     assert b.wall_ms == pytest.approx(b.compute_ms + b.communication_ms + b.host_ms)
     assert profiler.trace.name == "perfetto_trace.json.gz" and profiler.trace.stat().st_size > 1000
     assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))  # what TensorBoard's profiler reads
+    if name == "psum":  # the ops of the trace, per step and device, add up to the breakdown's device time
+        assert sum(profiler.ops_ms.values()) == pytest.approx(b.compute_ms + b.communication_ms)
+    else:
+        assert profiler.ops_ms == {}  # an outside strategy is broken down by its timed calls
 
 
 @pytest.mark.slow
@@ -76,6 +84,7 @@ def test_train_cli_prints_the_breakdown(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "profile of steps 2-4: " in out and "(over 3 steps, from the trace)" in out
     assert "https://ui.perfetto.dev" in out and f"tensorboard --logdir {tmp_path}" in out
+    assert "heaviest ops (ms/step per device): " in out
 
 
 def test_each_process_of_a_job_traces_into_its_own_folder(tmp_path):

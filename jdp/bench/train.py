@@ -11,7 +11,8 @@ For each precision (float32, bf16) and device count k (1, 2 and all of them) at 
     the same precision measured in the same run;
 (f) each k's epoch time relative to 1 device's (same precision);
 (g) images/s relative to the committed float32 baseline of this machine kind (`jdp.bench.baselines`),
-    and to the lesson's PyTorch code measured on that machine kind, where one is committed.
+    and to the lesson's PyTorch code measured on that machine kind, where one is committed;
+(h) the fraction of the peak that twice the lesson's images/s would need: above 100%, 2x is out of reach.
 
 Each round times floor and epoch of every device count and precision in turn, and each keeps its
 fastest, so load from other processes on a shared machine biases them alike; compare ratios from
@@ -209,8 +210,10 @@ def bench_train(
         first = next(r for r in rows if r["precision"] == row["precision"])
         row["vs_1_device"] = row["sec_per_epoch"] / first["sec_per_epoch"]
         row["vs_baseline"] = baselines.ratio(baseline, row["devices"], row["images_per_s"])
-        row["vs_lesson"] = (None if baseline is None or baseline.lesson_images_per_s is None
-                            else row["images_per_s"] / baseline.lesson_images_per_s)
+        lesson = None if baseline is None else baseline.lesson_images_per_s
+        row["vs_lesson"] = None if lesson is None else row["images_per_s"] / lesson
+        row["twice_lesson_fraction_of_peak"] = (None if lesson is None
+                                                else 2 * lesson * per_image / peaks[row["precision"]])
     float32_rows = [r for r in rows if r["precision"] == "float32"]
     return {"matmul_peak_flops": peaks, "flops_per_image": per_image, "results": rows,
             "targets": check_targets(float32_rows) if float32_rows else {},
@@ -243,24 +246,29 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def format_table(record: dict[str, Any], header: str) -> str:
     """The results as a fixed-width text table, the targets below it."""
     columns = (f"{'precision':>9} {'devices':>7} {'epoch s':>8} {'floor s':>8} {'overhead':>8} {'(cpu)':>6} {'img/s':>7} "
-               f"{'floor img/s':>11} {'s/epoch':>8} {'GFLOP/s':>8} {'of peak':>7} {'vs 1 dev':>8} {'vs base':>7} "
+               f"{'floor img/s':>11} {'s/epoch':>8} {'GFLOP/s':>8} {'of peak':>7} {'2x lesson':>9} {'vs 1 dev':>8} {'vs base':>7} "
                f"{'vs lesson':>9} formulation")
     lines = [header, columns]
 
     def ratio(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}x"
 
+    def percent(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1%}"
+
     for r in record["results"]:
         lines.append(
             f"{r['precision']:>9} {r['devices']:>7} {min(r['epoch_s']):>8.2f} {min(r['floor_s']):>8.2f} "
             f"{r['overhead']:>8.3f} {r['overhead_cpu']:>6.3f} "
             f"{r['images_per_s']:>7.0f} {r['floor_images_per_s']:>11.0f} {r['sec_per_epoch']:>8.2f} "
-            f"{r['achieved_flops'] / 1e9:>8.1f} {r['fraction_of_peak']:>7.1%} {r['vs_1_device']:>8.2f} "
+            f"{r['achieved_flops'] / 1e9:>8.1f} {r['fraction_of_peak']:>7.1%} "
+            f"{percent(r['twice_lesson_fraction_of_peak']):>9} {r['vs_1_device']:>8.2f} "
             f"{ratio(r['vs_baseline']):>7} {ratio(r['vs_lesson']):>9} {r['formulation']}"
         )
     peaks = ", ".join(f"{name} {flops / 1e9:.1f}" for name, flops in record["matmul_peak_flops"].items())
     lines.append(f"matmul peak (GFLOP/s): {peaks}; model {record['flops_per_image'] / 1e6:.2f} MFLOP/image (fwd+bwd); "
-                 "(cpu): the overhead in this process's CPU time, less sensitive to other processes' load")
+                 "(cpu): the overhead in this process's CPU time, less sensitive to other processes' load; "
+                 "2x lesson: the fraction of the peak twice the lesson's PyTorch images/s would need")
     base = record["baseline"]
     if base is None:
         lines.append("vs base / vs lesson: no committed baseline for this machine kind and settings (jdp.bench.baselines)")

@@ -257,7 +257,7 @@ def run_train(args: argparse.Namespace) -> int:
     from jdp.training import checkpoint, formulation
     from jdp.training.config import TrainConfig, payload_bytes
     from jdp.training.loop import Hooks
-    from jdp.training.profile import Profiler, default_window, parse_steps, trace_directory
+    from jdp.training.profile import Profiler, default_window, format_heaviest, parse_steps, trace_directory
     from jdp.training.stragglers import Stopwatch, Straggler, format_report
 
     load_plugins(args.plugin)
@@ -293,6 +293,8 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"profile of steps {first}-{last}: {profiler.breakdown.line()}\n"
               f"trace: {profiler.trace} ({size:.1f} MB): open it at https://ui.perfetto.dev, or run "
               f"`tensorboard --logdir {args.profile}` (Profile tab)")
+        if profiler.ops_ms:
+            print(f"heaviest ops (ms/step per device): {format_heaviest(profiler.ops_ms)}")
     if out is not None and jax.process_index() == 0:  # one writer per multi-process job
         payload, steps = payload_bytes(config), len(dataset.train.labels) // config.batch_size * len(history)
         record = {

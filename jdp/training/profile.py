@@ -79,15 +79,13 @@ def parse_steps(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
-def op_seconds(trace: str | Path) -> dict[str, float]:
-    """Seconds of device ops in a Perfetto/Chrome trace (`perfetto_trace.json.gz`), by kind, all devices summed.
+def op_own_seconds(trace: str | Path) -> dict[str, float]:
+    """Seconds of each device op in a Perfetto/Chrome trace (`perfetto_trace.json.gz`), by the op's name, all
+    devices summed.
 
     Ops are the events named like HLO instructions on XLA's execution threads (CPU: threads named
     `tf_XLA...`; accelerators: processes named `/device:...`). Each op counts its own time only,
     without ops nested in it (a `while` loop's body), so nothing is counted twice.
-
-    Returns:
-      {"compute": s, "communication": s}.
     """
     with gzip.open(trace, "rt") as f:
         events = json.load(f)
@@ -103,20 +101,34 @@ def op_seconds(trace: str | Path) -> dict[str, float]:
     for e in events:
         if e.get("ph") == "X" and _OP.match(e["name"]) and on_device(e):
             threads.setdefault((e["pid"], e.get("tid")), []).append((e["ts"], e.get("dur", 0.0), e["name"]))
-    seconds = {"compute": 0.0, "communication": 0.0}
+    seconds: dict[str, float] = {}
     for ops in threads.values():
         ops.sort(key=lambda op: (op[0], -op[1]))  # a parent before the ops nested in it
         stack: list[list[Any]] = []  # [end, own time, name] of the enclosing ops
         for start, duration, name in ops:
             while stack and stack[-1][0] <= start:
                 _, own, done = stack.pop()
-                seconds["communication" if COLLECTIVE.match(done) else "compute"] += own * 1e-6
+                seconds[done] = seconds.get(done, 0.0) + own * 1e-6
             if stack:
                 stack[-1][1] -= duration
             stack.append([start + duration, duration, name])
         for _, own, done in stack:
-            seconds["communication" if COLLECTIVE.match(done) else "compute"] += own * 1e-6
+            seconds[done] = seconds.get(done, 0.0) + own * 1e-6
     return seconds
+
+
+def op_seconds(trace: str | Path) -> dict[str, float]:
+    """`op_own_seconds` split into {"compute": s, "communication": s}: collectives apart from the other ops."""
+    seconds = {"compute": 0.0, "communication": 0.0}
+    for name, own in op_own_seconds(trace).items():
+        seconds["communication" if COLLECTIVE.match(name) else "compute"] += own
+    return seconds
+
+
+def format_heaviest(ops_ms: dict[str, float], count: int = 8) -> str:
+    """The `count` ops that took longest, in ms per step, heaviest first: `name ms, name ms, ...`."""
+    heaviest = sorted(ops_ms.items(), key=lambda item: -item[1])[:count]
+    return ", ".join(f"{name} {ms:.2f}" for name, ms in heaviest)
 
 
 def trace_directory(root: str | Path, process_index: int, process_count: int) -> Path:
@@ -143,6 +155,7 @@ class Profiler:
         self.directory, self.first, self.last = Path(directory), first, last
         self.device_count, self.from_trace = device_count, strategy.inside
         self.breakdown: Breakdown | None = None
+        self.ops_ms: dict[str, float] = {}  # ms per step and device of each op, from the trace (inside strategies)
         self.trace: Path | None = None
         self._started: tuple[int, float] | None = None  # (steps done, time) when tracing began
         self._segments = {"compute": 0.0, "communication": 0.0}
@@ -175,6 +188,9 @@ class Profiler:
             self._started = None
             self.trace = max(self.directory.glob("plugins/profile/*/perfetto_trace.json.gz"),
                              key=lambda p: p.stat().st_mtime)
+            if self.from_trace:
+                self.ops_ms = {name: 1e3 * s / self.device_count / steps
+                               for name, s in op_own_seconds(self.trace).items()}
             parts = self._segments if not self.from_trace else {
                 kind: s / self.device_count for kind, s in op_seconds(self.trace).items()}
             ms = {kind: 1e3 * s / steps for kind, s in parts.items()}
