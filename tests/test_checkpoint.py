@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -138,6 +139,24 @@ def test_foreign_files_are_refused_and_left_alone(tmp_path):
     with pytest.raises(ConfigError, match="not jdp checkpoints"):
         checkpoint.save(tmp_path, 1, state(), {})
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_a_checkpoint_deleted_while_listed_is_skipped_and_a_directory_of_its_name_is_foreign(tmp_path, monkeypatch):
+    """A reader beside a running job (its rotation deletes old checkpoints) lists a name, then finds the file gone:
+    it was a checkpoint, not a foreign file (the race once stopped tests/test_faults.py's killer thread)."""
+    checkpoint.save(tmp_path, 8, state(), {})
+    listed = Path.iterdir
+
+    def listed_then_deleted(self):  # the listing still holds step 4's checkpoint, which no longer exists
+        yield from listed(self)
+        yield self / "checkpoint-000000004.msgpack"
+
+    monkeypatch.setattr(Path, "iterdir", listed_then_deleted)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["checkpoint-000000008.msgpack"]
+    monkeypatch.undo()
+    (tmp_path / "checkpoint-000000009.msgpack").mkdir()
+    with pytest.raises(ConfigError, match=r"not jdp checkpoints \(checkpoint-000000009.msgpack\)"):
+        checkpoint.list_checkpoints(tmp_path)
 
 
 def test_a_file_is_not_a_checkpoint_directory(tmp_path):

@@ -60,7 +60,8 @@ def path_for(directory: str | os.PathLike, step: int) -> Path:
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     """The checkpoint files in `directory`, newest (highest step) first; [] if it does not exist.
 
-    Leftover temporary files of an interrupted save are ignored.
+    Leftover temporary files of an interrupted save are ignored, and so is a checkpoint deleted while it is listed
+    (the rotation of a job still writing into `directory`, which a reader beside it may race).
 
     Raises:
       ConfigError: if `directory` is not a directory, or holds anything but jdp checkpoints.
@@ -71,14 +72,14 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     if not directory.is_dir():
         raise ConfigError(f"`checkpoint_dir={directory}` is a file, not a directory; pass a directory.")
     names = [p.name for p in directory.iterdir() if not p.name.startswith(_TMP_PREFIX)]
-    foreign = sorted(n for n in names if not (_NAME.fullmatch(n) and (directory / n).is_file()))
+    foreign = sorted(n for n in names if not _NAME.fullmatch(n) or (directory / n).is_dir())
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise ConfigError(
             f"`checkpoint_dir={directory}` holds files that are not jdp checkpoints ({shown}); jdp writes "
             "only into a new or empty directory or one of its own checkpoint directories. Pass another directory."
         )
-    return sorted((directory / n for n in names), key=lambda p: p.name, reverse=True)
+    return sorted((directory / n for n in names if (directory / n).is_file()), key=lambda p: p.name, reverse=True)
 
 
 @dataclasses.dataclass(frozen=True)
