@@ -117,12 +117,13 @@ def op_own_seconds(trace: str | Path) -> dict[str, float]:
     return seconds
 
 
-def op_seconds(trace: str | Path) -> dict[str, float]:
-    """`op_own_seconds` split into {"compute": s, "communication": s}: collectives apart from the other ops."""
-    seconds = {"compute": 0.0, "communication": 0.0}
-    for name, own in op_own_seconds(trace).items():
-        seconds["communication" if COLLECTIVE.match(name) else "compute"] += own
-    return seconds
+def by_kind(op_times: dict[str, float]) -> dict[str, float]:
+    """Times by op name (`op_own_seconds`, in any unit) summed into {"compute": t, "communication": t}: the
+    collectives apart from the other ops."""
+    kinds = {"compute": 0.0, "communication": 0.0}
+    for name, t in op_times.items():
+        kinds["communication" if COLLECTIVE.match(name) else "compute"] += t
+    return kinds
 
 
 def format_heaviest(ops_ms: dict[str, float], count: int = 8) -> str:
@@ -188,12 +189,12 @@ class Profiler:
             self._started = None
             self.trace = max(self.directory.glob("plugins/profile/*/perfetto_trace.json.gz"),
                              key=lambda p: p.stat().st_mtime)
-            if self.from_trace:
+            if self.from_trace:  # the trace read once: each op's time, and their sums by kind
                 self.ops_ms = {name: 1e3 * s / self.device_count / steps
                                for name, s in op_own_seconds(self.trace).items()}
-            parts = self._segments if not self.from_trace else {
-                kind: s / self.device_count for kind, s in op_seconds(self.trace).items()}
-            ms = {kind: 1e3 * s / steps for kind, s in parts.items()}
+                ms = by_kind(self.ops_ms)
+            else:
+                ms = {kind: 1e3 * s / steps for kind, s in self._segments.items()}
             self.breakdown = Breakdown(steps, 1e3 * wall / steps, ms["compute"], ms["communication"],
                                        1e3 * wall / steps - ms["compute"] - ms["communication"],
                                        "trace" if self.from_trace else "segments")
