@@ -117,6 +117,7 @@ def test_shard_optimizer_takes_the_ring_across_hosts_and_refuses_the_others(devi
             check_strategy(allreduce.get(name), devices[:8], "pmap", shard_optimizer=True)
 
 
+@pytest.mark.slow  # fast sibling: test_each_variant_passes_check_allreduce_on_eight_devices[hierarchical:4x2]
 def test_training_on_two_hosts_of_four_matches_psum_with_replicas_identical():
     """Two LeNet SGD steps: after each, every replica bit-identical and the params psum's (rtol 1e-5).
     (The optimizer sharded: the slow test below; `jdp launch` on 2 processes: tests/test_multiprocess.py.)"""

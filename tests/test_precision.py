@@ -1,5 +1,6 @@
 """`--precision bf16`: bfloat16 forward/backward, float32 params, loss, gradients, allreduce and checkpoints."""
 
+import functools
 import shutil
 
 import jax
@@ -71,8 +72,8 @@ def one_step(strategy, devices, name="bf16", backend="pmap"):
     return new_params, loss
 
 
-@pytest.mark.parametrize("strategy", [
-    "manual", *(pytest.param(name, marks=pytest.mark.slow) for name in ("manual_ring", "ring", "tree"))])
+@pytest.mark.slow  # fast sibling: test_the_allreduce_receives_float32_gradients
+@pytest.mark.parametrize("strategy", ["manual", "manual_ring", "ring", "tree"])
 def test_every_strategy_sums_float32_gradients(strategy, devices):
     """A bfloat16 sum of 4 devices' gradients would be off by ~1e-3 relative; float32 sums agree to ~1e-7."""
     devices = devices[:4]
@@ -97,6 +98,7 @@ def test_the_allreduce_receives_float32_gradients(devices):
     assert seen and set(seen) == {jnp.dtype(jnp.float32)}
 
 
+@pytest.mark.slow  # fast siblings: the backends agree in float32 (tests/test_backends.py); bf16 here, with pmap
 def test_shard_map_backend_matches_pmap_in_bf16(devices):
     pmapped, _ = one_step("psum", devices[:2])
     mapped, _ = one_step("psum", devices[:2], backend="shard_map")
@@ -104,7 +106,10 @@ def test_shard_map_backend_matches_pmap_in_bf16(devices):
                                np.asarray(jdp.unreplicate(mapped, "shard_map")["W1"]), rtol=1e-5, atol=1e-7)
 
 
-SMALL = data.synthetic(jax.random.key(3), n_train=256, n_test=64)
+@functools.cache
+def small() -> jdp.Dataset:
+    """Made on first use: at import, every pytest-xdist worker would compile its random draws while collecting."""
+    return data.synthetic(jax.random.key(3), n_train=256, n_test=64)
 
 
 def config(**changes):
@@ -113,7 +118,7 @@ def config(**changes):
 
 @pytest.mark.parametrize("model", ["lenet", pytest.param("lenet_flax", marks=pytest.mark.slow)])
 def test_trains_with_replicas_bit_identical_and_float32_params(model, devices):
-    params, history = train(config(model=model), SMALL, devices[:2], guards=jdp.Guards(check_replicas=1))
+    params, history = train(config(model=model), small(), devices[:2], guards=jdp.Guards(check_replicas=1))
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params))
     assert all(np.isfinite(r.train_loss) for r in history)
 
@@ -122,27 +127,28 @@ def test_trains_with_replicas_bit_identical_and_float32_params(model, devices):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("backend", ["pmap", "shard_map"])
 def test_every_strategy_and_backend_trains_in_bf16(strategy, backend, devices):
-    _, history = train(config(allreduce=strategy, backend=backend), SMALL, devices[:2],
+    _, history = train(config(allreduce=strategy, backend=backend), small(), devices[:2],
                        guards=jdp.Guards(check_replicas=1))
     assert all(np.isfinite(r.train_loss) for r in history)
 
 
 @pytest.mark.slow
 def test_resnet18_trains_in_bf16_with_float32_batch_statistics(devices):
-    variables, history = train(config(model="resnet18", epochs=1), SMALL, devices[:2],
+    variables, history = train(config(model="resnet18", epochs=1), small(), devices[:2],
                                guards=jdp.Guards(check_replicas=1))
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(variables))
     assert np.isfinite(history[0].train_loss)
 
 
+@pytest.mark.slow  # fast sibling: test_trains_with_replicas_bit_identical_and_float32_params (what is saved)
 def test_resume_is_bit_identical_in_bf16(devices, tmp_path):
     full, resumed_dir = tmp_path / "full", tmp_path / "resumed"
-    want, history = train(config(epochs=2), SMALL, devices[:2], checkpoints=jdp.Checkpoints(full, checkpoint_every=3))
+    want, history = train(config(epochs=2), small(), devices[:2], checkpoints=jdp.Checkpoints(full, checkpoint_every=3))
     first = sorted(full.glob("checkpoint-*.msgpack"))[0]  # the older of the two kept: step 6 of 8, mid-epoch 2
     assert first.name == "checkpoint-000000006.msgpack", first
     resumed_dir.mkdir()
     shutil.copy2(first, resumed_dir / first.name)
-    got, resumed = train(config(epochs=2), SMALL, devices[:2], checkpoints=jdp.Checkpoints(resumed_dir, resume=True))
+    got, resumed = train(config(epochs=2), small(), devices[:2], checkpoints=jdp.Checkpoints(resumed_dir, resume=True))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert [r.train_loss for r in resumed] == [r.train_loss for r in history]

@@ -51,7 +51,7 @@ def test_built_in_strategies_pass(name):
     check_allreduce(STRATEGIES[name](), FAST_COUNTS, sgd_steps=0)
 
 
-@pytest.mark.parametrize("name", ["psum", "manual"])  # the reference itself, and an "outside" step
+@pytest.mark.parametrize("name", [pytest.param("psum", marks=pytest.mark.slow), "manual"])  # the reference, an "outside" step
 def test_built_in_strategies_train_like_psum(name):
     check_allreduce(STRATEGIES[name](), (8,), sgd_steps=2)
 

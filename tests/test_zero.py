@@ -2,6 +2,7 @@
 device on the whole batch, replicas bit-identical, the state really split, and planted bugs caught."""
 
 import dataclasses
+import functools
 import json
 import logging
 
@@ -87,18 +88,21 @@ def assert_equals_one_device(params, name, backend, batches):
                                 rtol=RTOL, atol=ATOL)
 
 
-FAST = ("adamw", 3)  # the fast tier: AdamW (the most state) on 3 devices (not a power of 2); the rest is slow
-CASES = [pytest.param(name, backend, k, marks=() if (name, k) == FAST else pytest.mark.slow)
-         for name in optimizers.OPTIMIZERS for backend in BACKENDS for k in (1, 2, 3, 4, 8)]
+def cases(fast_backend: str) -> list:
+    """Every optimizer, backend and device count; the fast tier runs AdamW (the most state) on 3 devices (not a
+    power of 2) with `fast_backend` (the sharded step with the other backend: the sibling test's fast case)."""
+    fast = ("adamw", fast_backend, 3)
+    return [pytest.param(name, backend, k, marks=() if (name, backend, k) == fast else pytest.mark.slow)
+            for name in optimizers.OPTIMIZERS for backend in BACKENDS for k in (1, 2, 3, 4, 8)]
 
 
-@pytest.mark.parametrize(("name", "backend", "k"), CASES)
+@pytest.mark.parametrize(("name", "backend", "k"), cases("shard_map"))
 def test_sharded_optimizer_equals_one_device_on_the_full_batch(name, backend, k, devices, batches):
     params, _ = run(name, devices[:k], backend, batches, shard=True)
     assert_equals_one_device(params, name, backend, batches)
 
 
-@pytest.mark.parametrize(("name", "backend", "k"), CASES)
+@pytest.mark.parametrize(("name", "backend", "k"), cases("pmap"))
 def test_accumulation_equals_one_device_on_the_full_batch(name, backend, k, devices, batches):
     params, _ = run(name, devices[:k], backend, batches, accumulate=MICRO)
     assert_equals_one_device(params, name, backend, batches)
@@ -237,16 +241,16 @@ def test_an_optax_optimizer_of_your_own_trains_as_the_built_in_of_the_same_math(
     """`optimizer=` an optax object: the same run, bit for bit, as the built-in name building that object; the
     run's record names it `own`, and its checkpoint resumes with it (and is refused with a named one)."""
     base = dataclasses.replace(SHARDED, shard_optimizer=False, epochs=1)
-    built_in, _ = train(dataclasses.replace(base, optimizer="momentum", momentum=0.8), SMALL, devices[:2])
+    built_in, _ = train(dataclasses.replace(base, optimizer="momentum", momentum=0.8), small(), devices[:2])
     own = dataclasses.replace(base, optimizer=optax.sgd(base.lr, momentum=0.8))
-    mine, _ = train(own, SMALL, devices[:2], checkpoints=jdp.Checkpoints(tmp_path))
+    mine, _ = train(own, small(), devices[:2], checkpoints=jdp.Checkpoints(tmp_path))
     chex.assert_trees_all_equal(mine, built_in)
     assert own.to_dict()["optimizer"] == "own"
-    resumed, _ = train(dataclasses.replace(own, epochs=2), SMALL, devices[:2],
+    resumed, _ = train(dataclasses.replace(own, epochs=2), small(), devices[:2],
                        checkpoints=jdp.Checkpoints(tmp_path, resume=True))
     assert jax.tree.structure(resumed) == jax.tree.structure(mine)
     with pytest.raises(ConfigError, match=r"This run has `optimizer=momentum` but the checkpoint has `optimizer=own`"):
-        train(dataclasses.replace(base, optimizer="momentum", epochs=3), SMALL, devices[:2],
+        train(dataclasses.replace(base, optimizer="momentum", epochs=3), small(), devices[:2],
               checkpoints=jdp.Checkpoints(tmp_path, resume=True))
 
 
@@ -276,7 +280,13 @@ def test_host_form_of_the_sharded_state_round_trips_on_any_device_count(devices)
 
 # ---- checkpoints of a sharded state --------------------------------------------------------------
 
-SMALL = data.synthetic(jax.random.key(0), n_train=128, n_test=32)
+
+@functools.cache
+def small() -> jdp.Dataset:
+    """Made on first use: at import, every pytest-xdist worker would compile its random draws while collecting."""
+    return data.synthetic(jax.random.key(0), n_train=128, n_test=32)
+
+
 SHARDED = TrainConfig(batch_size=16, lr=1e-3, epochs=2, optimizer="adamw", shard_optimizer=True)  # 8 steps an epoch
 
 
@@ -302,16 +312,18 @@ def checkpointed(directory):
     return checkpoint.restore_latest(directory, checkpoint_target(SHARDED))
 
 
+@pytest.mark.slow  # fast siblings: test_host_form_of_the_sharded_state_round_trips_on_any_device_count, and
+# test_diloco_resumed_mid_interval_ends_bit_identical (tests/test_sync.py) for resuming mid-run
 def test_a_sharded_run_resumed_from_a_mid_run_checkpoint_ends_bit_identical(tmp_path, devices):
     """Stopped at step 11 (mid epoch 2; the newest checkpoint is step 9), resumed: the final params, the
     gathered AdamW state and the history equal an uninterrupted run's, bit for bit."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    train(SHARDED, SMALL, devices[:4], checkpoints=jdp.Checkpoints(whole, checkpoint_every=3))
+    train(SHARDED, small(), devices[:4], checkpoints=jdp.Checkpoints(whole, checkpoint_every=3))
     with pytest.raises(Killed):
-        train(SHARDED, SMALL, devices[:4], checkpoints=jdp.Checkpoints(killed, checkpoint_every=3),
+        train(SHARDED, small(), devices[:4], checkpoints=jdp.Checkpoints(killed, checkpoint_every=3),
               hooks=jdp.Hooks(progress=killed_after(11)))
     assert checkpointed(killed).step == 9 and checkpointed(killed).info["position"]["batches_done"] == 1
-    train(SHARDED, SMALL, devices[:4], checkpoints=jdp.Checkpoints(killed, checkpoint_every=3, resume=True))
+    train(SHARDED, small(), devices[:4], checkpoints=jdp.Checkpoints(killed, checkpoint_every=3, resume=True))
     a, b = checkpointed(whole), checkpointed(killed)
     assert a.step == b.step == 16
     for x, y in zip(jax.tree.leaves(a.arrays), jax.tree.leaves(b.arrays), strict=True):
@@ -322,10 +334,10 @@ def test_a_sharded_run_resumed_from_a_mid_run_checkpoint_ends_bit_identical(tmp_
 @pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_resharded_on_another_device_count(tmp_path, devices, caplog):
     """The checkpoint holds the state unsliced: 4 devices → 3 re-pads and re-slices it (the same math)."""
-    whole, _ = train(SHARDED, SMALL, devices[:4])
-    train(dataclasses.replace(SHARDED, epochs=1), SMALL, devices[:4], checkpoints=jdp.Checkpoints(tmp_path))
+    whole, _ = train(SHARDED, small(), devices[:4])
+    train(dataclasses.replace(SHARDED, epochs=1), small(), devices[:4], checkpoints=jdp.Checkpoints(tmp_path))
     with caplog.at_level(logging.INFO, logger="jdp"):
-        resumed, _ = train(SHARDED, SMALL, devices[:2], checkpoints=jdp.Checkpoints(tmp_path, resume=True))
+        resumed, _ = train(SHARDED, small(), devices[:2], checkpoints=jdp.Checkpoints(tmp_path, resume=True))
     assert "resuming on 2 devices instead of the checkpoint's 4" in caplog.text
     chex.assert_trees_all_close(resumed, whole, rtol=RTOL, atol=ATOL)
 
@@ -336,9 +348,9 @@ def test_a_sharded_checkpoint_resumes_resharded_on_another_device_count(tmp_path
     ({"shard_optimizer": False}, r"This run has `shard_optimizer=False` but the checkpoint has `shard_optimizer=True`"),
 ])
 def test_resuming_with_another_kind_of_optimizer_state_is_refused_naming_the_flag(change, message, tmp_path, devices):
-    train(dataclasses.replace(SHARDED, epochs=1), SMALL, devices[:2], checkpoints=jdp.Checkpoints(tmp_path))
+    train(dataclasses.replace(SHARDED, epochs=1), small(), devices[:2], checkpoints=jdp.Checkpoints(tmp_path))
     with pytest.raises(ConfigError, match=message):
-        train(dataclasses.replace(SHARDED, **change), SMALL, devices[:2],
+        train(dataclasses.replace(SHARDED, **change), small(), devices[:2],
               checkpoints=jdp.Checkpoints(tmp_path, resume=True))
 
 
