@@ -141,12 +141,17 @@ def make_train_step(loss: "LossFn | Model", optimizer: "optax.GradientTransforma
       ConfigError: for an unknown backend, a strategy this step cannot run (see `check_strategy`), or
         a shard that does not split into `accumulate` equal parts (when traced).
     """
-    device = _OnDevice.of(loss, optimizer, accumulate)
     check_backend(backend)
     strategy = allreduce_lib.get(allreduce)
     check_strategy(strategy, devices, backend)
-    opt, k = OptState(optimizer, None, len(devices), strategy=strategy), len(devices)
+    opt = OptState(optimizer, None, len(devices), strategy=strategy)
+    return _summed_step(_OnDevice.of(loss, optimizer, accumulate), opt, devices, backend, segment)
 
+
+def _summed_step(device: _OnDevice, opt: OptState, devices: Sequence[jax.Device], backend: Backend,
+                 segment: Segment) -> TrainStep:
+    """`make_train_step`'s step, for `opt` (replicated, its strategy checked)."""
+    strategy, k = opt.strategy, len(devices)
     if strategy.inside:
 
         def local_step(variables, opt_state, images, labels):
@@ -193,11 +198,17 @@ def make_sharded_step(loss: "LossFn | Model", optimizer: "optax.GradientTransfor
     Raises:
       ConfigError: as `make_train_step`, and for a strategy without halves (`check_strategy`).
     """
-    device = _OnDevice.of(loss, optimizer, accumulate)
     check_backend(backend)
     strategy = allreduce_lib.get(allreduce)
     check_strategy(strategy, devices, backend, shard_optimizer=True)
-    opt, k = OptState(optimizer, None, len(devices), sharded=True, strategy=strategy), len(devices)
+    opt = OptState(optimizer, None, len(devices), sharded=True, strategy=strategy)
+    return _sharded_step(_OnDevice.of(loss, optimizer, accumulate), opt, devices, backend, segment)
+
+
+def _sharded_step(device: _OnDevice, opt: OptState, devices: Sequence[jax.Device], backend: Backend,
+                  segment: Segment) -> TrainStep:
+    """`make_sharded_step`'s step, for `opt` (sharded, its strategy checked)."""
+    strategy, k = opt.strategy, len(devices)
 
     def update_slice(variables, optimizer_state, grad_slices, local_batch):
         """Slice i of the params, updated with this device's state and summed gradient slice."""
@@ -272,6 +283,19 @@ def make_local_step(loss: "LossFn | Model", opt: OptState, devices: Sequence[jax
 
     return map_over_devices(own_step, devices, backend, ("per_device", opt.kind, "batch", "batch"),
                             ("per_device", opt.kind, "per_device"), donate=(0, 1))
+
+
+def make_step(loss: "LossFn | Model", opt: OptState, devices: Sequence[jax.Device], backend: Backend = "pmap", *,
+              accumulate: int = 1, segment: Segment = lambda name, fn: fn) -> TrainStep:
+    """The train step that keeps the optimizer state `opt` (a run's, `jdp.training.build.build_run`): a local
+    mode's (`make_local_step`), the sharded one (`make_sharded_step`) or the lesson's (`make_train_step`), with
+    `opt`'s strategy, which the caller has checked (`check_strategy`). `segment`: as `make_train_step`'s; a
+    local step has no outside calls to wrap."""
+    if opt.local:
+        return make_local_step(loss, opt, devices, backend, accumulate=accumulate)
+    check_backend(backend)
+    build = _sharded_step if opt.sharded else _summed_step
+    return build(_OnDevice.of(loss, opt.optimizer, accumulate), opt, devices, backend, segment)
 
 
 def check_strategy(strategy: Allreduce, devices: Sequence[jax.Device], backend: Backend,

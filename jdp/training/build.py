@@ -1,7 +1,7 @@
 """A config built for its devices, once: the model, optimizer, strategy, sync, state layout and step.
 
-`train` (and whoever wants a run's pieces without its loop) calls `build_run`. The components come
-from `TrainConfig`'s `build_*` methods, which its own checks also use; `build_run` composes them once.
+`train` (and whoever wants a run's pieces without its loop) calls `build_run`. The components are
+`TrainConfig`'s (built and checked once, when the config is made); `build_run` adds what the devices decide.
 """
 
 import dataclasses
@@ -14,7 +14,7 @@ from jdp import models
 from jdp.models import Model
 from jdp.parallel.layout import copies, fetch, place
 from jdp.parallel.opt_state import OptState
-from jdp.parallel.step import Segment, TrainStep, make_local_step, make_sharded_step, make_train_step
+from jdp.parallel.step import Segment, TrainStep, check_strategy, make_step
 from jdp.parallel.strategy import Allreduce
 from jdp.parallel.sync import Sync
 from jdp.training.config import TrainConfig
@@ -44,16 +44,11 @@ class BuiltRun:
     opt: OptState
 
     def step(self, segment: Segment | None = None) -> TrainStep:
-        """The train step: a local mode's (`make_local_step`), the sharded one, or the lesson's.
-
-        `segment` wraps an "outside" strategy's calls (see `make_train_step`); a local step has none.
-        """
-        config, hooks = self.config, {} if segment is None else {"segment": segment}
-        if self.sync.local:
-            return make_local_step(self.model, self.opt, self.devices, config.backend, accumulate=config.accumulate)
-        make = make_sharded_step if config.shard_optimizer else make_train_step
-        return make(self.model, self.optimizer, self.strategy, self.devices, config.backend,
-                    accumulate=config.accumulate, **hooks)
+        """The train step that keeps `opt` (`jdp.parallel.step.make_step`). `segment` wraps an "outside"
+        strategy's calls (see `make_train_step`)."""
+        hooks = {} if segment is None else {"segment": segment}
+        return make_step(self.model, self.opt, self.devices, self.config.backend, accumulate=self.config.accumulate,
+                         **hooks)
 
     def initial_state(self, variables: PyTree, key: jax.Array) -> tuple[PyTree, PyTree]:
         """(params, opt_state) before step 1, in their host form (what a checkpoint holds): the model's
@@ -75,11 +70,10 @@ class BuiltRun:
 
 
 def build_run(config: TrainConfig, devices: Sequence[jax.Device]) -> BuiltRun:
-    """Builds every component of `config` once, the optimizer state's layout for `devices` included."""
-    model, optimizer, sync = config.build_model(), config.build_optimizer(), config.build_sync()
-    strategy = config.strategy()
+    """The run of `config` on `devices`: its components (built once, when `config` was made) and the optimizer
+    state's layout for `devices`."""
+    check_strategy(config.strategy(), devices, config.backend, config.shard_optimizer)  # the devices' part
+    model = config.build_model()
     trainable = jax.eval_shape(lambda: models.trainable(model, model.init(jax.random.key(0))))
-    opt = OptState(optimizer, trainable, len(devices), sharded=config.shard_optimizer, strategy=strategy,
-                   local=sync.local, sync_init=sync.init,
-                   sync_kind=sync.state_kind)
-    return BuiltRun(config, tuple(devices), model, optimizer, strategy, sync, opt)
+    return BuiltRun(config, tuple(devices), model, config.build_optimizer(), config.strategy(), config.build_sync(),
+                    config.opt_state(trainable, len(devices)))

@@ -1,7 +1,7 @@
 """`TrainConfig`: every setting of a training run, validated once, when it is made."""
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 
@@ -88,18 +88,17 @@ class TrainConfig:
         if self.eval_on not in EVAL_ON:
             raise ConfigError(f"`eval_on` must be one of {', '.join(EVAL_ON)}, got `{self.eval_on}`.")
         check_backend(self.backend)
-        model = self.build_model()
+        object.__setattr__(self, "_components", _build(self))  # the only time they are built
+        model, sync = self.build_model(), self.build_sync()
         if model.per_replica_state and self.backend != "pmap":
             raise ConfigError(
                 "`batchnorm=per-replica` keeps different statistics on each device, which `backend=shard_map` "
                 "cannot hold in its replicated `P()` layout. Use `backend=pmap` or `batchnorm=sync`."
             )
-        self.build_optimizer()
         if self.shard_optimizer and self.fuse:
             raise ConfigError("`shard_optimizer=True` already ravels the gradients into one buffer per dtype; "
                               "drop `fuse`/`bucket_mb`.")
         check_strategy(self.strategy(), [], self.backend, self.shard_optimizer)
-        sync = self.build_sync()
         if sync.local:
             refused = {"shard_optimizer": ((False,), "keeps one slice of identical params per device"),
                        "steps_per_call": ((1, AUTO), "runs several steps in one call, with no sync between them")}
@@ -116,34 +115,22 @@ class TrainConfig:
     def build_optimizer(self) -> "optax.GradientTransformation":
         """The optax optimizer of `optimizer`, `momentum`, `weight_decay`, on the lr schedule; or `optimizer`
         itself, an optax optimizer of the caller's (which carries its own learning rate and schedule)."""
-        if isinstance(self.optimizer, str):
-            return optimizers.make(self.optimizer, learning_rate(self), momentum=self.momentum,
-                                   weight_decay=self.weight_decay)
-        return optimizers.check_own(self.optimizer, momentum=self.momentum, weight_decay=self.weight_decay,
-                                    warmup_steps=self.warmup_steps)
+        return self._components.optimizer
 
     def build_model(self) -> Model:
         """`model` itself, or the registered model of that name built with `formulation` and `batchnorm`;
         computing in `precision`. `formulation="auto"` builds `fast` here: `jdp.train` settles it first
         (`jdp.training.formulation.settle`)."""
-        if isinstance(self.model, Model) and self.batchnorm is not None:
-            raise ConfigError("`batchnorm` selects a built-in model's BatchNorm; your own `Model` defines its own.")
-        impl = formulation.DEFAULT if self.formulation == formulation.AUTO else self.formulation
-        return precision.mixed(models.get(self.model, impl=impl, batchnorm=self.batchnorm), self.precision)
+        return self._components.model
 
     def build_sync(self) -> sync_lib.Sync:
         """When the replicas meet and what they make of it (`sync`, `sync_every`, DiLoCo's outer optimizer,
         Streaming DiLoCo's fragments)."""
-        return sync_lib.from_settings(self.sync, self.sync_every, outer_optimizer=self.outer_optimizer,
-                                      outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
-                                      fragments=self.fragments, sync_delay=self.sync_delay,
-                                      outer_dtype=self.outer_dtype, mixing=self.mixing,
-                                      error_feedback=self.error_feedback)
+        return self._components.sync
 
     def strategy(self) -> Allreduce:
         """The allreduce strategy, fused and compressed if asked."""
-        return allreduce_lib.get(self.allreduce, fuse=self.fuse, bucket_mb=self.bucket_mb, compress=self.compress,
-                                 rank=self.powersgd_rank)
+        return self._components.strategy
 
     def opt_state(self, trainable: PyTree, device_count: int) -> OptState:
         """How this run keeps its optimizer state for `trainable` params on `device_count` devices."""
@@ -169,6 +156,37 @@ class TrainConfig:
         values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         return {**values, "model": _name(self.model), "allreduce": _name(self.allreduce), "sync": _name(self.sync),
                 "optimizer": self.optimizer if isinstance(self.optimizer, str) else optimizers.OWN}
+
+
+class Components(NamedTuple):
+    """A config's components, built once when the config is made (`TrainConfig.build_model`, ...)."""
+
+    model: Model
+    optimizer: "optax.GradientTransformation"
+    strategy: Allreduce
+    sync: sync_lib.Sync
+
+
+def _build(config: TrainConfig) -> Components:
+    """Builds `config`'s components from their settings (names are looked up in their registries)."""
+    if isinstance(config.model, Model) and config.batchnorm is not None:
+        raise ConfigError("`batchnorm` selects a built-in model's BatchNorm; your own `Model` defines its own.")
+    impl = formulation.DEFAULT if config.formulation == formulation.AUTO else config.formulation
+    model = precision.mixed(models.get(config.model, impl=impl, batchnorm=config.batchnorm), config.precision)
+    if isinstance(config.optimizer, str):
+        optimizer = optimizers.make(config.optimizer, learning_rate(config), momentum=config.momentum,
+                                    weight_decay=config.weight_decay)
+    else:
+        optimizer = optimizers.check_own(config.optimizer, momentum=config.momentum,
+                                         weight_decay=config.weight_decay, warmup_steps=config.warmup_steps)
+    strategy = allreduce_lib.get(config.allreduce, fuse=config.fuse, bucket_mb=config.bucket_mb,
+                                 compress=config.compress, rank=config.powersgd_rank)
+    sync = sync_lib.from_settings(config.sync, config.sync_every, outer_optimizer=config.outer_optimizer,
+                                  outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
+                                  fragments=config.fragments, sync_delay=config.sync_delay,
+                                  outer_dtype=config.outer_dtype, mixing=config.mixing,
+                                  error_feedback=config.error_feedback)
+    return Components(model, optimizer, strategy, sync)
 
 
 def learning_rate(config: TrainConfig) -> "float | optax.Schedule":
