@@ -197,3 +197,32 @@ def test_a_strategy_placement_is_read_from_its_owner_only(tmp_path):
     (tmp_path / "jdp").mkdir()
     (tmp_path / "jdp" / "wrapper.py").write_text('def f(s):\n    return 1 if s.where == "inside" else 2\n')
     assert placement_comparisons(tmp_path / "jdp") == ["jdp/wrapper.py"]  # the check sees one
+
+
+def test_a_config_builds_its_components_once_for_a_whole_run(monkeypatch, tmp_path, devices):
+    """`jdp.train` with checkpoints, the run's bytes (payload_bytes) and the checkpoint's layout reuse the
+    components built when the config was made: each registry is asked once (a named model, optimizer,
+    strategy and sync: each built from its settings)."""
+    from jdp import models
+    from jdp.parallel import allreduce, sync
+    from jdp.training import config as config_lib
+    from jdp.training import optimizers
+
+    calls = {"model": 0, "optimizer": 0, "strategy": 0, "sync": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for module, function, name in ((models, "get", "model"), (optimizers, "make", "optimizer"),
+                                   (allreduce, "get", "strategy"), (sync, "from_settings", "sync")):
+        monkeypatch.setattr(module, function, counted(name, getattr(module, function)))
+    config = jdp.TrainConfig(batch_size=32, epochs=1, model="lenet", optimizer="momentum", allreduce="psum",
+                             sync="every-step", formulation="fast")
+    jdp.train(config, jdp.synthetic_dataset(jax.random.key(0), 64, 32), devices[:2],
+              checkpoints=jdp.Checkpoints(tmp_path))
+    config_lib.payload_bytes(config)
+    checkpoint_target(config, 2)
+    assert calls == {"model": 1, "optimizer": 1, "strategy": 1, "sync": 1}
