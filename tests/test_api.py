@@ -336,6 +336,8 @@ def run_jdp(*args, cwd):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # a jdp process; fast siblings: `jdp predict --plugin` loads a plugin (tests/test_architecture.py),
+# `jdp train --model FILE:FACTORY` trains a model from a user's file in this process (tests/test_adapters.py)
 def test_plugin_registers_allreduce_and_model_for_jdp_train(tmp_path):
     result = run_jdp("train", "--plugin", "plugin_example", "--allreduce", "example_gather_sum",
                      "--model", "example_softmax", "--dataset", "synthetic", "--epochs", "1",
