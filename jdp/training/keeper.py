@@ -42,7 +42,7 @@ class Keeper:
       job: the multi-process job's watch (`jdp.runtime.faults.JobWatch`), told of every step and checkpoint.
     """
 
-    def __init__(self, checkpoints: Checkpoints | None, run: dict[str, Any] | None, steps_per_epoch: int,
+    def __init__(self, checkpoints: Checkpoints | None, *, run: dict[str, Any] | None, steps_per_epoch: int,
                  watch: Any, host_copy: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]], data_key: np.ndarray,
                  job: JobWatch) -> None:
         self.directory = None if checkpoints is None else checkpoints.checkpoint_dir
