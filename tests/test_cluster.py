@@ -398,3 +398,18 @@ def test_the_traffic_lines_name_a_nic_whose_queues_dropped_packets():
                      "3.00 MB in)")
     slow, = cluster.describe_traffic([{**row, "dropped_out_packets": 40, "dropped_in_packets": 2}], 10**8)
     assert slow == quiet + "; its queues dropped 42 packets: a bottleneck"
+
+
+@pytest.mark.parametrize("ppermutes", [True, False])
+def test_nic_model_reads_the_exchange_off_a_strategys_cost_not_its_name(ppermutes, monkeypatch):
+    """A user's strategy, named like nothing built in: its cost says whether its messages are ppermutes."""
+    from jdp.bench import nic_model
+    from jdp.parallel import allreduce, cost
+
+    mine = allreduce.Allreduce("my_exchange", allreduce.get("ring").fn, cost=cost.flat("ring", "my_exchange", ppermutes))
+    monkeypatch.setitem(allreduce._STRATEGIES, "my_exchange", mine)
+    n, rate = 2**22, 10**8
+    row = {"devices": 2, "size_bytes": n, "hosts": 2, "nic_bps": rate}
+    for name in ("my_exchange", "my_exchange+fused"):  # a wrapper keeps its strategy's exchange
+        expected = (2 if ppermutes else 1) * n * nic_model.nic_beta(rate)
+        assert nic_model.transfer_seconds({**row, "algorithm": name}) == pytest.approx(expected)

@@ -15,7 +15,8 @@ are the strategy's own cost (`jdp.Allreduce.cost`) with L devices per host (hier
 its outer level has all L devices' chunks cross the one NIC at once).
 
 One property of the transport is part of the description: between two processes, an exchange
-made of `ppermute`s (jdp's ring and tree, and hierarchical's outer ring) runs its two directions one
+made of `ppermute`s (jdp's ring and tree, and hierarchical's outer ring: each strategy's cost says
+which of its messages are, `jdp.Cost.exchange`) runs its two directions one
 after the other, measured as a swap taking twice a one-way send of the same bytes, while Gloo's own
 allreduce (`psum`) uses both at once. Reading Gloo's TCP pair (gloo/transport/tcp/pair.cc) suggests
 why: a receiver's "ready" notice travels on the same TCP connection as the peer-bound data, and
@@ -33,7 +34,6 @@ from jdp.parallel import allreduce, cost
 WIRE_PAYLOAD = 1448 / 1514  # TCP payload per Ethernet frame (MTU 1500, TCP timestamps on): what tbf counts
 ALPHA_MAX_BYTES = 64 * 1024  # rows this small measure α: the NIC's β share of them is a few percent
 LARGE_BYTES = 2**20  # rows this large are the wire's: their errors are also reported apart
-SWAPPED = ("ring", "tree", "hierarchical", "hierarchical:tree")  # built of ppermutes (hierarchical: its outer ring)
 
 
 def nic_beta(rate_bps: float) -> float:
@@ -64,9 +64,7 @@ def inter_terms(row: dict) -> cost.Terms:
         raise ConfigError(f"`{row['algorithm']}` has no cost for {hosts} hosts: leave it out of the runs.")
     inter = levels["inter"]
     messages = inter.messages + levels["intra"].messages
-    base = _base(row["algorithm"].split("+")[0])  # psum (cost's "ring") and hierarchical:psum are Gloo's own
-    members = hosts if base.startswith("hierarchical") else k  # of the ring of ppermutes that crosses the NICs
-    swap = 2.0 if base in SWAPPED and members == 2 else 1.0
+    swap = 2.0 if priced.exchange is not None and priced.exchange(k, k // hosts) == 2 else 1.0
     return cost.Terms(messages, inter.bytes_sent * swap, inter.bytes_reduced, inter.bytes_total, inter.concurrent)
 
 

@@ -23,7 +23,7 @@ from jdp.parallel.strategy import Allreduce, check
 _FLOAT32 = 4  # the gradients' itemsize: a wire's bytes are its dtype's share of it
 
 
-_RING_COST = cost.flat("ring", "ring")
+_RING_COST = cost.flat("ring", "ring", ppermutes=True)
 
 
 def _ring_wire(dtype: jnp.dtype) -> Allreduce:
@@ -59,7 +59,8 @@ def hierarchical(outer: str = "ring", shape: tuple[int, int] | None = None) -> A
         check_positive("local_devices", shape[1])
     family = "hierarchical" + ("" if outer == "ring" else f":{outer}")  # what the fit keys it by, any grouping
     name = family + ("" if shape is None else ":{}x{}".format(*shape))
-    priced = cost.hierarchical("tree" if outer == "tree" else "ring", shape, family)  # psum: priced as a ring
+    priced = cost.hierarchical("tree" if outer == "tree" else "ring", shape, family,  # psum: priced as a ring
+                               ppermutes=outer != "psum")
 
     def wire(dtype: jnp.dtype) -> Allreduce:
         return Allreduce(f"{name}+{jnp.dtype(dtype).name}-wire",
@@ -84,7 +85,7 @@ _STRATEGIES: dict[str, Allreduce] = {  # built-ins first, then what users regist
                              all_gather=transfers.manual_ring_all_gather, cost=cost.flat("ring", "manual_ring")),
     "ring": Allreduce("ring", collectives.ring, reduce_scatter=collectives.ring_reduce_scatter,
                       all_gather=collectives.ring_all_gather, wire=_ring_wire, cost=_RING_COST),
-    "tree": Allreduce("tree", collectives.tree, cost=cost.flat("tree", "tree")),
+    "tree": Allreduce("tree", collectives.tree, cost=cost.flat("tree", "tree", ppermutes=True)),
     "hierarchical": hierarchical("ring"),
     "hierarchical:tree": hierarchical("tree"),
 }

@@ -104,10 +104,14 @@ class Cost(NamedTuple):
       fits: the algorithms whose fitted α, β, γ (`jdp bench allreduce --fit`) price it, in order of
         preference: its own first (wrappers keep it), then a stand-in where a sweep did not time it;
         () for none (then only a cluster preset prices it).
+      exchange: `exchange(k, per_node)`, the members of the ring of `ppermute`s whose messages cross
+        between nodes (k for a flat ring or tree, the H nodes for hierarchical's outer ring); None for
+        a collective of XLA's own (`psum`, all-gather), which its transport runs (see `jdp.bench.nic_model`).
     """
 
     terms: Callable[[int, Sequence[float], int | None], Levels | None]
     fits: tuple[str, ...] = ()
+    exchange: Callable[[int, int], int] | None = None
 
 
 def flat_terms(algorithm: str, k: int, nbytes: float) -> Terms:
@@ -127,8 +131,9 @@ def flat_terms(algorithm: str, k: int, nbytes: float) -> Terms:
     raise ValueError(f"no flat algorithm `{algorithm}`")
 
 
-def flat(algorithm: str, name: str) -> Cost:
-    """The cost of a flat algorithm ("star", "ring" or "tree") run once per buffer, fitted as `name`.
+def flat(algorithm: str, name: str, ppermutes: bool = False) -> Cost:
+    """The cost of a flat algorithm ("star", "ring" or "tree") run once per buffer, fitted as `name`;
+    `ppermutes`: made of `ppermute`s over all k devices (`Cost.exchange`).
 
     Spanning nodes of L devices (numbered node by node), the ring and the star's root cross
     between nodes through one device of a node at a time, all at the inter-node link's pace; the
@@ -150,15 +155,16 @@ def flat(algorithm: str, name: str) -> Cost:
                 inter += flat_terms(algorithm, k, nbytes)
         return {"intra": intra, "inter": inter}
 
-    return Cost(terms, (name,))
+    return Cost(terms, (name,), (lambda k, per_node: k) if ppermutes else None)
 
 
-def hierarchical(outer: str, shape: tuple[int, int] | None, name: str) -> Cost:
+def hierarchical(outer: str, shape: tuple[int, int] | None, name: str, ppermutes: bool = True) -> Cost:
     """The two-level allreduce's cost: rings of L within each node, then `outer` ("ring" or "tree")
     over the H nodes on N/L-byte chunks, all L devices of a node at once.
 
     L is `shape`'s (H, L) if given (k must then be H·L), else the caller's `per_node`; without
-    either it cannot be priced (None). Fitted as `name`, else as the ring.
+    either it cannot be priced (None). Fitted as `name`, else as the ring. `ppermutes`: the outer
+    level is made of `ppermute`s over the H nodes (`Cost.exchange`).
     """
 
     def terms(k: int, leaf_bytes: Sequence[float], per_node: int | None) -> Levels | None:
@@ -178,7 +184,7 @@ def hierarchical(outer: str, shape: tuple[int, int] | None, name: str) -> Cost:
             inter += _times(flat_terms(outer, hosts, nbytes / local), local).scaled(concurrent=local)
         return {"intra": intra, "inter": inter}
 
-    return Cost(terms, (name, "ring"))
+    return Cost(terms, (name, "ring"), (lambda k, per_node: k // per_node) if ppermutes else None)
 
 
 def fused_cost(cost: Cost, bucket_mb: float | None) -> Cost:
@@ -192,12 +198,12 @@ def fused_cost(cost: Cost, bucket_mb: float | None) -> Cost:
         full, rest = divmod(total, cap)
         return [cap] * int(full) + ([rest] if rest else [])
 
-    return Cost(lambda k, leaf_bytes, per_node: cost.terms(k, buffers(leaf_bytes), per_node), cost.fits)
+    return cost._replace(terms=lambda k, leaf_bytes, per_node: cost.terms(k, buffers(leaf_bytes), per_node))
 
 
 def cast_cost(cost: Cost, ratio: float) -> Cost:
     """`cost` of buffers cast before the allreduce to `ratio` of their bytes (`jdp.low_precision`)."""
-    return Cost(lambda k, leaf_bytes, per_node: cost.terms(k, [b * ratio for b in leaf_bytes], per_node), cost.fits)
+    return cost._replace(terms=lambda k, leaf_bytes, per_node: cost.terms(k, [b * ratio for b in leaf_bytes], per_node))
 
 
 def wire_cost(cost: Cost, ratio: float, levels: Sequence[str] = ("intra", "inter")) -> Cost:
@@ -210,7 +216,7 @@ def wire_cost(cost: Cost, ratio: float, levels: Sequence[str] = ("intra", "inter
             return None
         return {level: t.scaled(sent=ratio) if level in levels else t for level, t in full.items()}
 
-    return Cost(terms, cost.fits)
+    return cost._replace(terms=terms)
 
 
 def _tree_across_nodes(k: int, local: int, nbytes: float) -> tuple[Terms, Terms]:
