@@ -185,7 +185,7 @@ class Unwatched:
 
 
 def keeper(directory, job):
-    return Keeper(Checkpoints(directory, 2), run={"config": {}}, steps_per_epoch=8, watch=Unwatched(),
+    return Keeper(Checkpoints(directory, 2), described={"config": {}}, steps_per_epoch=8, watch=Unwatched(),
                   host_copy=lambda params, opt_state: (np.asarray(params), np.asarray(opt_state)),
                   data_key=np.zeros(2, np.uint32), job=job)
 

@@ -33,7 +33,7 @@ class Keeper:
 
     Args:
       checkpoints: where and how often to save (`jdp.Checkpoints`), or None to save nothing.
-      run: `describe_run` of this run (stored with each checkpoint), or None without checkpoints.
+      described: `describe_run` of this run (stored with each checkpoint), or None without checkpoints.
       steps_per_epoch: batches per epoch.
       watch: the guards to run after every call (see `jdp.training.guards.Watch`).
       host_copy: (params, opt_state) on the devices -> their host forms (e.g. `jdp.unreplicate` and
@@ -42,12 +42,13 @@ class Keeper:
       job: the multi-process job's watch (`jdp.runtime.faults.JobWatch`), told of every step and checkpoint.
     """
 
-    def __init__(self, checkpoints: Checkpoints | None, *, run: dict[str, Any] | None, steps_per_epoch: int,
+    def __init__(self, checkpoints: Checkpoints | None, *, described: dict[str, Any] | None, steps_per_epoch: int,
                  watch: Any, host_copy: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]], data_key: np.ndarray,
                  job: JobWatch) -> None:
         self.directory = None if checkpoints is None else checkpoints.checkpoint_dir
         self.every = None if checkpoints is None else checkpoints.checkpoint_every
-        self.run, self.steps_per_epoch, self.watch, self.data_key, self.job = run, steps_per_epoch, watch, data_key, job
+        self.described, self.steps_per_epoch, self.watch, self.data_key = described, steps_per_epoch, watch, data_key
+        self.job = job
         self._host_copy = host_copy
         self.step, self.epoch, self.batches_done = 0, 1, 0
         self.history: list[dict[str, Any]] = []
@@ -64,11 +65,11 @@ class Keeper:
             after `epochs`.
           DataError: if no checkpoint is intact.
         """
-        found = restore_latest(self.directory, target, check=lambda info: check_same_state(info["run"], self.run))
+        found = restore_latest(self.directory, target, check=lambda info: check_same_state(info["run"], self.described))
         if found is None:
             log.info("no checkpoint in %s yet: starting at step 0", self.directory)
             return target
-        notes = check_resumable(found.info["run"], self.run)
+        notes = check_resumable(found.info["run"], self.described)
         position = found.info["position"]
         self.step, self.epoch, self.batches_done = position["step"], position["epoch"], position["batches_done"]
         self._resumed_loss, self.history = position.get("loss_rows", position["loss_sum"]), found.info["history"]
@@ -137,7 +138,7 @@ class Keeper:
             "position": {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,
                          "loss_sum": float(np.sum(losses, dtype=np.float32)), "loss_rows": [float(x) for x in losses]},
             "history": self.history,
-            "run": self.run,
+            "run": self.described,
         }
         self.job.all_reached(self.step)
         if jax.process_index() == 0:

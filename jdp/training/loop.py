@@ -190,7 +190,7 @@ def _started(run: BuiltRun, dataset: Dataset, checkpoints: Checkpoints | None, c
                          comparable=lambda step: not sync.local or sync.agrees_after(step, last_step))
     described = None if checkpoints is None else describe_run(
         config.to_dict(), dataset, k, per_device_state=opt.per_device_strategy_state or opt.local)
-    keeper = Keeper(checkpoints, run=described, steps_per_epoch=len(dataset.train.labels) // config.batch_size,
+    keeper = Keeper(checkpoints, described=described, steps_per_epoch=len(dataset.train.labels) // config.batch_size,
                     watch=watch, host_copy=run.to_host, data_key=jax.random.key_data(data_key), job=job)
     start, opt_state = run.initial_state(params, jax.random.fold_in(init_key, 1))
     arrays = {"params": start, "opt_state": opt_state, "data_key": keeper.data_key}
