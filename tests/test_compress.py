@@ -264,3 +264,30 @@ def test_bf16_psum_rounds_under_jdps_xla_flags():
     result = subprocess.run([sys.executable, "-c", ROUNDS_UNDER_FLAGS], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert int(result.stdout.split()[-1]) > 0  # bf16 values in the compiled step: the rounding is there
+
+
+WIRE_UNDER_FLAGS = """
+import jdp
+jdp.enable_xla_flags()
+jdp.simulate_cpu_devices(4)
+import jax, numpy as np
+from jdp.parallel.layout import map_over_devices, sharded
+from jdp.runtime.devices import AXIS
+devices = jax.devices()
+x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+ring = map_over_devices(lambda row: (jdp.get_allreduce("ring", compress="{mode}").fn(row, AXIS),), devices,
+                        "shard_map", ("per_device",), ("per_device",))
+(out,) = ring(jax.device_put(x, sharded(devices)))
+print(len({{row.tobytes() for row in np.asarray(out)}}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["bf16-wire", "fp16-wire"])
+def test_wire_ring_leaves_every_device_the_same_bits_under_jdps_xla_flags(mode):
+    """Regression: with jdp's XLA CPU flags, XLA dropped the round trip through the wire dtype of the chunk each
+    device keeps (its copies were sent rounded), so the devices disagreed in the last bits: `jdp train` (which
+    sets the flags) failed its replica check. Only a process whose backend starts with the flags shows it."""
+    result = subprocess.run([sys.executable, "-c", WIRE_UNDER_FLAGS.format(mode=mode)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-1] == "1"  # one distinct row: every device holds the same sum

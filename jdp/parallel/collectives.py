@@ -77,7 +77,7 @@ def _ring_sum(x: jax.Array, axis_name: str, wire: jnp.dtype | None = None, group
         return x
     mine = ring_reduce_scatter(pad(x.ravel(), k), axis_name, wire, groups)
     if wire is not None:  # the finished chunk rounded as it will be sent: the same bits on every device
-        mine = mine.astype(wire).astype(x.dtype)
+        mine = rounded(mine, wire)
     return ring_all_gather(mine, axis_name, wire, groups)[: x.size].reshape(x.shape)
 
 
@@ -121,6 +121,13 @@ def ring_all_gather(mine: jax.Array, axis_name: str, wire: jnp.dtype | None = No
         return _set_row(chunks, (i - 1 - s) % k, received)
 
     return lax.fori_loop(0, k - 1, step, chunks).ravel()
+
+
+def rounded(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`x` rounded to `dtype` and back, kept in the program: XLA may drop a convert pair with nothing in
+    between (it allows excess precision; under jdp's CPU flags it does), and the chunk a device keeps
+    must round as the copies it sends do."""
+    return lax.optimization_barrier(x.astype(dtype)).astype(x.dtype)
 
 
 def _send(row: jax.Array, axis_name: str, wire: jnp.dtype | None, groups: Groups | None) -> jax.Array:
