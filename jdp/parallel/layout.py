@@ -70,16 +70,16 @@ def map_over_devices(fn: Callable[..., tuple], devices: Sequence[jax.Device], ba
         return jax.pmap(fn, axis_name=AXIS, devices=devices, donate_argnums=donate)
 
     def local(*args):
-        args = [_on_rows(lambda x: x[0], kinds, a) for a, kinds in zip(args, ins, strict=True)]
-        return tuple(_on_rows(lambda x: x[None], kinds, r) for r, kinds in zip(fn(*args), outs, strict=True))
+        args = [on_per_device(lambda x: x[0], kinds, a) for a, kinds in zip(args, ins, strict=True)]
+        return tuple(on_per_device(lambda x: x[None], kinds, r) for r, kinds in zip(fn(*args), outs, strict=True))
 
     specs = lambda all_kinds: tuple(jax.tree.map(_SPECS.__getitem__, kinds) for kinds in all_kinds)  # noqa: E731
     return jax.jit(jax.shard_map(local, mesh=mesh(devices), in_specs=specs(ins), out_specs=specs(outs),
                                  check_vma=False), donate_argnums=donate)
 
 
-def _on_rows(f: Callable[[jax.Array], jax.Array], kinds: Kinds, tree: PyTree) -> PyTree:
-    """`f` applied to every leaf of the per_device parts of `tree` (a shard_map block's device axis)."""
+def on_per_device(f: Callable[[Any], Any], kinds: Kinds, tree: PyTree) -> PyTree:
+    """`f` applied to every leaf of the per_device parts of `tree`, the other parts as they are."""
     return jax.tree.map(lambda kind, part: jax.tree.map(f, part) if kind == "per_device" else part, kinds, tree)
 
 

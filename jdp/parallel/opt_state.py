@@ -1,4 +1,7 @@
-"""The optimizer state of a run: which of three variants it is, and everything done with it.
+"""The optimizer state of a run: the composite of its components' parts, and everything done with it.
+
+Each part (`Part`) is one component's state with its placement kind; `OptState` composes them. The optimizer's
+part is one of three, and the strategy's and the sync algorithm's are there when they keep state:
 
 * replicated: `optimizer.init(params)`, one copy on every device, like the params;
 * sharded (ZeRO, `shard_optimizer=True`): the state of the params raveled into one flat buffer
@@ -11,12 +14,12 @@
   "outer" (DiLoCo's name for it: the global params θ and the outer optimizer's state),
   `{"optimizer": <per device>, "outer": {"params": θ, "optimizer": <outer state>}}`.
 
-`OptState` is the one place that knows them: the train step splits and joins the state through
+`OptState` is the one place that composes them: the train step splits and joins the state through
 it, the loop places it on the devices, checkpoints store its host form, and the replica check
-compares its replicated part. The host form of the sharded state is `optimizer.init` of the
-unpadded flat buffers, independent of k, so a sharded run resumes on any device count.
+compares its replicated part; each of these asks every part. A new variant is a new `Part`.
 """
 
+import abc
 import dataclasses
 import functools
 import math
@@ -27,31 +30,163 @@ import jax
 import numpy as np
 
 from jdp.parallel.buckets import Flat, plan
-from jdp.parallel.layout import Backend, Kinds, copies, fetch, place
+from jdp.parallel.layout import Backend, Kinds, copies, fetch, on_per_device, place
 from jdp.parallel.strategy import Allreduce
 from jdp.types import PyTree
 
 if TYPE_CHECKING:
     import optax
 
-_SYNC_KEY = "outer"  # where the sync's own state is kept: DiLoCo's name for it, which its checkpoints hold
+_OPTIMIZER, _STRATEGY = "optimizer", "allreduce"  # the parts' keys in the state (what checkpoints hold)
+_SYNC = "outer"  # where the sync's own state is kept: DiLoCo's name for it, which its checkpoints hold
 _MOVED = {"outer": "sync_state", "has_outer": "has_sync_state", "outer_optimizer": "sync_init"}
+
+
+class Part(abc.ABC):
+    """One component's share of the optimizer state: its placement kind and its host form.
+
+    The host form is what checkpoints hold; `rows` turns it into what `jdp.parallel.layout.place` takes for
+    `kind` (and `unrows` back, after `fetch`); `replicated` is the part of it, on the devices, that every
+    device must hold identically (the replica check): all of a replicated part, None of a per-device one.
+    """
+
+    kind: Kinds = "replicated"
+
+    @abc.abstractmethod
+    def init(self, params: PyTree, key: jax.Array) -> PyTree:
+        """The host form before step 1, for the trainable `params` (`key` seeds what is random)."""
+
+    def rows(self, host: PyTree) -> PyTree:
+        return host
+
+    def unrows(self, fetched: PyTree) -> PyTree:
+        return fetched
+
+    def replicated(self, state: PyTree) -> PyTree:
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatedOptimizer(Part):
+    """`optimizer.init(params)`, one copy on every device, like the params."""
+
+    optimizer: "optax.GradientTransformation"
+
+    def init(self, params: PyTree, key: jax.Array) -> PyTree:
+        return self.optimizer.init(params)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalOptimizer(Part):
+    """Each device's own optimizer state (a local sync mode), the same on every device at first."""
+
+    optimizer: "optax.GradientTransformation"
+    device_count: int
+    kind: Kinds = "per_device"
+
+    def init(self, params: PyTree, key: jax.Array) -> PyTree:
+        return copies(self.optimizer.init(params), self.device_count)
+
+    def replicated(self, state: PyTree) -> PyTree:
+        return None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardedOptimizer(Part):
+    """ZeRO: the state of the params raveled into one flat buffer per dtype (`jdp.parallel.buckets.Flat`),
+    device i holding slice i of every per-element leaf (AdamW's moments) and a copy of every other leaf
+    (AdamW's step count). The host form is `optimizer.init` of the unpadded buffers, independent of k, so a
+    sharded run resumes on any device count."""
+
+    optimizer: "optax.GradientTransformation"
+    params: PyTree  # the trainable params or their `jax.ShapeDtypeStruct`s (only the layout is read)
+    device_count: int
+    kind: Kinds = "per_device"
+
+    def init(self, params: PyTree, key: jax.Array) -> PyTree:
+        return self.optimizer.init(plan(params, 1).flatten(params))
+
+    def rows(self, host: PyTree) -> PyTree:
+        """A row per device: slice i of each per-element leaf, a copy of each other leaf."""
+        k = self.device_count
+        rows = [_slices(leaf, k) if sliced else copies(leaf, k)
+                for leaf, sliced in zip(jax.tree.leaves(host), self._sliced, strict=True)]
+        return jax.tree.unflatten(jax.tree.structure(host), rows)
+
+    def unrows(self, fetched: PyTree) -> PyTree:
+        """The slices joined and the padding cut; one copy of each other leaf."""
+        shapes = [leaf.shape for leaf in self._leaf_shapes(self._flat.sizes)]
+        leaves = [row.reshape(-1)[: math.prod(shape)].reshape(shape) if sliced else row[0]
+                  for row, sliced, shape in zip(jax.tree.leaves(fetched), self._sliced, shapes, strict=True)]
+        return jax.tree.unflatten(jax.tree.structure(fetched), leaves)
+
+    def replicated(self, state: PyTree) -> PyTree:
+        return [leaf for leaf, sliced in zip(jax.tree.leaves(state), self._sliced, strict=True) if not sliced]
+
+    @functools.cached_property
+    def _flat(self) -> Flat:
+        return plan(self.params, self.device_count)
+
+    def _leaf_shapes(self, sizes: tuple[int, ...]) -> list[Any]:
+        """The leaves of `optimizer.init` over flat buffers of `sizes` (shapes and dtypes only)."""
+        buffers = [jax.ShapeDtypeStruct((n,), dtype) for (dtype, _), n in zip(self._flat.layout, sizes, strict=True)]
+        return jax.tree.leaves(jax.eval_shape(self.optimizer.init, buffers))
+
+    @functools.cached_property
+    def _sliced(self) -> list[bool]:
+        """Per leaf: per-element (a slice per device), or the same on every device. A leaf whose shape
+        follows the buffers' length is per-element (AdamW's moments); one whose shape does not is a copy."""
+        chunks = self._flat.chunks
+        one, other = self._leaf_shapes(chunks), self._leaf_shapes(tuple(c + 1 for c in chunks))
+        return [a.shape != b.shape for a, b in zip(one, other, strict=True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyState(Part):
+    """A stateful allreduce strategy's own state (PowerSGD's error feedback): one per device, seeded by the
+    key, the same on every device at first."""
+
+    strategy: Allreduce
+    device_count: int
+    kind: Kinds = "per_device"
+
+    def init(self, params: PyTree, key: jax.Array) -> PyTree:
+        return copies(jax.device_get(self.strategy.init(key, params)), self.device_count)
+
+    def replicated(self, state: PyTree) -> PyTree:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncState(Part):
+    """A sync algorithm's own state (`Sync.init`: DiLoCo's θ and outer optimizer state), placed as
+    `Sync.state_kind` says; a per-device part is the same on every device at first."""
+
+    init_state: Callable[[PyTree], PyTree]
+    device_count: int
+    kind: Kinds = "replicated"
+
+    def init(self, params: PyTree, key: jax.Array) -> PyTree:
+        return on_per_device(lambda leaf: copies(leaf, self.device_count), self.kind, self.init_state(params))
+
+    def replicated(self, state: PyTree) -> PyTree:
+        return on_per_device(lambda leaf: None, self.kind, state)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class OptState:
-    """How a run keeps its optimizer state (see the module docstring for the three variants).
+    """How a run keeps its optimizer state: the composite of its components' parts (`parts`).
 
     Attributes:
       optimizer: the optax optimizer.
       params: the trainable params, or their `jax.ShapeDtypeStruct`s (the sharded variant's layout;
         None where only the kinds, `split` and `join` are used, as in the train step).
       device_count: k, the devices the state is placed on.
-      sharded: ZeRO: each device holds 1/k of the per-element state.
-      strategy: the allreduce strategy; a stateful one keeps its per-device state here too.
-      local: a local sync mode (`jdp.parallel.sync`): each device keeps its own optimizer state.
-      sync_init: params -> the sync algorithm's own state (`Sync.init`), which the state holds too;
-        None: none.
+      sharded: ZeRO: each device holds 1/k of the per-element state (`ShardedOptimizer`).
+      strategy: the allreduce strategy; a stateful one keeps its per-device state here too (`StrategyState`).
+      local: a local sync mode (`jdp.parallel.sync`): each device keeps its own optimizer state (`LocalOptimizer`).
+      sync_init: params -> the sync algorithm's own state (`Sync.init`), which the state holds too
+        (`SyncState`); None: none.
       sync_kind: its placement kinds (`Sync.state_kind`, a pytree prefix of it): replicated, or with a
         part each device keeps for itself (Streaming DiLoCo's error feedback) `per_device`.
     """
@@ -65,45 +200,55 @@ class OptState:
     sync_init: Callable[[PyTree], PyTree] | None = None
     sync_kind: Kinds = "replicated"
 
+    @functools.cached_property
+    def parts(self) -> dict[str, Part]:
+        """The parts, by their key in the state: the optimizer's, then the strategy's and the sync's if any."""
+        k = self.device_count
+        if self.sharded:
+            parts: dict[str, Part] = {_OPTIMIZER: ShardedOptimizer(self.optimizer, self.params, k)}
+        elif self.local:
+            parts = {_OPTIMIZER: LocalOptimizer(self.optimizer, k)}
+        else:
+            parts = {_OPTIMIZER: ReplicatedOptimizer(self.optimizer)}
+        if self.strategy is not None and self.strategy.stateful:
+            parts[_STRATEGY] = StrategyState(self.strategy, k)
+        if self.sync_init is not None:
+            parts[_SYNC] = SyncState(self.sync_init, k, self.sync_kind)
+        return parts
+
     @property
     def per_device_strategy_state(self) -> bool:
         """Whether the state holds the strategy's own state, one per device."""
-        return self.strategy is not None and self.strategy.stateful
+        return _STRATEGY in self.parts
 
     @property
     def has_sync_state(self) -> bool:
         """Whether the state holds the sync algorithm's own state (DiLoCo's θ and outer optimizer state)."""
-        return self.sync_init is not None
+        return _SYNC in self.parts
 
     @property
     def optimizer_kind(self) -> Kinds:
         """The placement kind of the optimizer's part (`jdp.parallel.layout`)."""
-        return "per_device" if self.sharded or self.local else "replicated"
+        return self.parts[_OPTIMIZER].kind
 
     @property
     def kind(self) -> Kinds:
         """The placement kinds of the whole state, a pytree prefix of it."""
-        if not (self.per_device_strategy_state or self.has_sync_state):
-            return self.optimizer_kind
-        return self.join(self.optimizer_kind, "per_device", self.sync_kind)
+        return self._joined({key: part.kind for key, part in self.parts.items()})
 
     def split(self, state: PyTree) -> tuple[PyTree, PyTree]:
         """(the optimizer's part, the strategy's per-device part or None); on the devices or in a step."""
-        if self.per_device_strategy_state or self.has_sync_state:
-            return state["optimizer"], state.get("allreduce")
-        return state, None
+        parts = self._parts_of(state)
+        return parts[_OPTIMIZER], parts.get(_STRATEGY)
 
     def sync_state(self, state: PyTree) -> PyTree:
         """The sync algorithm's own state (DiLoCo's {"params": θ, "optimizer": outer state}), or None."""
-        return state[_SYNC_KEY] if self.has_sync_state else None
+        return self._parts_of(state).get(_SYNC)
 
     def join(self, optimizer_state: PyTree, strategy_state: PyTree, sync_state: PyTree = None) -> PyTree:
         """The inverse of `split` (and `sync_state`)."""
-        if not (self.per_device_strategy_state or self.has_sync_state):
-            return optimizer_state
-        return {"optimizer": optimizer_state,
-                **({"allreduce": strategy_state} if self.per_device_strategy_state else {}),
-                **({_SYNC_KEY: sync_state} if self.has_sync_state else {})}
+        given = {_OPTIMIZER: optimizer_state, _STRATEGY: strategy_state, _SYNC: sync_state}
+        return self._joined({key: given[key] for key in self.parts})
 
     def init(self, params: PyTree, key: jax.Array) -> PyTree:
         """The state before step 1, in its host form (what checkpoints hold).
@@ -112,78 +257,35 @@ class OptState:
           params: the trainable params' values.
           key: seeds a stateful strategy's state (the same on every device at first).
         """
-        k = self.device_count
-        optimizer_state = self.optimizer.init(plan(params, 1).flatten(params) if self.sharded else params)
-        if self.local:  # every device starts from the same state, then keeps its own
-            optimizer_state = copies(optimizer_state, k)
-        strategy_state = None
-        if self.per_device_strategy_state:
-            one = jax.device_get(self.strategy.init(key, params))  # the same on every device at first
-            strategy_state = copies(one, k)
-        sync_state = None
-        if self.has_sync_state:  # a per-device part: the same on every device at first
-            sync_state = jax.tree.map(lambda kind, part: copies(part, k) if kind == "per_device" else part,
-                                      self.sync_kind, self.sync_init(params))
-        return self.join(optimizer_state, strategy_state, sync_state)
+        return self._joined({name: part.init(params, key) for name, part in self.parts.items()})
 
     def place(self, host: PyTree, devices: list[jax.Device], backend: Backend) -> PyTree:
         """The host form → on `devices`, in the layout of `backend`."""
-        (optimizer_state, strategy_state), sync_state = self.split(host), self.sync_state(host)
-        if self.sharded:  # a row per device: slice i of each per-element leaf, a copy of each other leaf
-            k = self.device_count
-            rows = [_slices(leaf, k) if sliced else copies(leaf, k)
-                    for leaf, sliced in zip(jax.tree.leaves(optimizer_state), self._sliced, strict=True)]
-            optimizer_state = jax.tree.unflatten(jax.tree.structure(optimizer_state), rows)
-        return place(self.join(optimizer_state, strategy_state, sync_state), self.kind, devices, backend)
+        rows = {name: self.parts[name].rows(part) for name, part in self._parts_of(host).items()}
+        return place(self._joined(rows), self.kind, devices, backend)
 
     def to_host(self, state: PyTree, backend: Backend) -> PyTree:
         """The inverse of `place`: the host form (a collective with several processes)."""
-        host = fetch(state, self.kind, backend)
-        (optimizer_state, strategy_state), sync_state = self.split(host), self.sync_state(host)
-        if self.sharded:  # the slices joined and the padding cut; one copy of each other leaf
-            shapes = [leaf.shape for leaf in self._leaf_shapes(self._flat.sizes)]
-            rows = jax.tree.leaves(optimizer_state)
-            leaves = [row.reshape(-1)[: math.prod(shape)].reshape(shape) if sliced else row[0]
-                      for row, sliced, shape in zip(rows, self._sliced, shapes, strict=True)]
-            optimizer_state = jax.tree.unflatten(jax.tree.structure(optimizer_state), leaves)
-        return self.join(optimizer_state, strategy_state, sync_state)
+        fetched = self._parts_of(fetch(state, self.kind, backend))
+        return self._joined({name: self.parts[name].unrows(part) for name, part in fetched.items()})
 
     def replicated_part(self, state: PyTree) -> PyTree:
-        """The leaves every device must hold identically (what the replica check compares): a local
-        mode's devices each keep their own optimizer state, the sync's own state is the same everywhere."""
-        optimizer_state, _ = self.split(state)
-        if self.local:
-            return jax.tree.map(lambda kind, part: None if kind == "per_device" else part, self.sync_kind,
-                                self.sync_state(state))
-        if not self.sharded:
-            return optimizer_state
-        return [leaf for leaf, sliced in zip(jax.tree.leaves(optimizer_state), self._sliced, strict=True)
-                if not sliced]
+        """The leaves every device must hold identically (what the replica check compares): each part's
+        (a local mode's devices each keep their own optimizer state, a sharded one a slice of it)."""
+        return self._joined({name: self.parts[name].replicated(part) for name, part in self._parts_of(state).items()})
+
+    def _parts_of(self, state: PyTree) -> dict[str, PyTree]:
+        """The state by part: the bare optimizer state when it is the only part, else the dict of parts."""
+        return dict(state) if len(self.parts) > 1 else {_OPTIMIZER: state}
+
+    def _joined(self, parts: dict[str, PyTree]) -> PyTree:
+        """The inverse of `_parts_of`."""
+        return parts if len(self.parts) > 1 else parts[_OPTIMIZER]
 
     def __getattr__(self, name: str) -> Any:
         if name in _MOVED:  # removed after 0.1.0; see docs/api.md
             raise AttributeError(f"`OptState.{name}` is now `{_MOVED[name]}`: the sync algorithm's own state.")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    @functools.cached_property
-    def _flat(self) -> Flat:
-        return plan(self.params, self.device_count)
-
-    def _leaf_shapes(self, sizes: tuple[int, ...]) -> list[Any]:
-        """The leaves of `optimizer.init` over flat buffers of `sizes` (shapes and dtypes only)."""
-        buffers = [jax.ShapeDtypeStruct((n,), dtype) for (dtype, _), n in zip(self._flat.layout, sizes, strict=True)]
-        return jax.tree.leaves(jax.eval_shape(self.optimizer.init, buffers))
-
-    @functools.cached_property
-    def _sliced(self) -> list[bool]:
-        """Per leaf of the sharded state: per-element (a slice per device), or the same on every device.
-
-        A leaf whose shape follows the buffers' length is per-element (AdamW's moments); one whose
-        shape does not is a copy (AdamW's step count).
-        """
-        chunks = self._flat.chunks
-        one, other = self._leaf_shapes(chunks), self._leaf_shapes(tuple(c + 1 for c in chunks))
-        return [a.shape != b.shape for a, b in zip(one, other, strict=True)]
 
 
 def _slices(leaf: Any, k: int) -> np.ndarray:
