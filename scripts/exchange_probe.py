@@ -3,13 +3,17 @@
 Run under `jdp launch --hosts 2 --nic RATE -- python scripts/exchange_probe.py BYTES` (as root; the
 launcher appends the job flags). Each process holds BYTES of float32; printed by process 0, the mean of 5
 calls after a warm-up: a one-way `ppermute` (host 0 → host 1), a swap (both ways in one `ppermute`) and
-`psum`, then a swap that starts right after a small psum (both processes enter it together) and one cut into
-four `ppermute`s. On a full-duplex link a swap takes as long as a one-way send; measured, it takes twice as long.
+`psum`, then a swap that starts right after a small psum (both processes enter it together) and the swap cut
+into 4, 16 and 64 `ppermute`s. On a full-duplex link a swap takes as long as a one-way send; measured, a large
+one takes twice as long, and pieces small enough for the rate (64 KiB at 100mbit) bring it back to one.
 """
 
 import argparse
 import sys
 import time
+
+
+PIECES = (4, 16, 64)  # a swap cut into this many `ppermute`s, one after the other
 
 
 def main() -> None:
@@ -41,8 +45,8 @@ def main() -> None:
                  "swap": lambda row: (lax.ppermute(row, AXIS, [(0, 1), (1, 0)]),),
                  "psum": lambda row: (lax.psum(row, AXIS),),
                  "swap after a psum": lambda row: (lax.ppermute(synced(row), AXIS, [(0, 1), (1, 0)]),),
-                 "swap as 4 quarters": lambda row: (jnp.concatenate(
-                     [lax.ppermute(q, AXIS, [(0, 1), (1, 0)]) for q in jnp.split(row, 4)]),)}
+                 **{f"swap as {n} pieces": lambda row, n=n: (jnp.concatenate(
+                     [lax.ppermute(q, AXIS, [(0, 1), (1, 0)]) for q in jnp.split(row, n)]),) for n in PIECES}}
     for name, exchange in exchanges.items():
         run = map_over_devices(exchange, devices, "shard_map", ("per_device",), ("per_device",))
         jax.block_until_ready(run(x))
