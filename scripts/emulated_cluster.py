@@ -2,8 +2,8 @@
 
 Runs as root. For each NIC rate and strategy: `jdp launch --hosts 2 --nic RATE -- jdp train` on the
 synthetic set (batch 256: 128 per host, 8 steps an epoch), step time = the median of epochs 2.. / 8.
-The prediction is `jdp.bench.predict`'s step (compute + one allreduce of LeNet's gradient, leaf by leaf,
-not overlapped) on a network described by the NIC rate (β, `jdp.bench.nic_model`) and each algorithm's α
+The prediction is `jdp.bench.predict`'s step (compute + one allreduce of LeNet's gradient, leaf by leaf as
+each strategy's cost prices it, not overlapped) on a network described by the NIC rate (β, `jdp.bench.nic_model`) and each algorithm's α
 from `--nic-model-json` (`jdp bench allreduce --fit ... --nic-model --out DIR`). Compute per image is
 measured here too: one process, one device, on one core, batch 128 (what each host computes per step).
 
@@ -62,6 +62,7 @@ def main() -> None:
     compute_s_per_image = statistics.median(epoch_seconds(one / "history.json")[1:]) / TRAIN_IMAGES
 
     from jdp.bench import nic_model, predict
+    from jdp.parallel import cost
     from jdp.runtime import cluster
 
     alphas = {a["algorithm"]: a["alpha_s"] for a in json.loads(Path(args.nic_model_json).read_text())["algorithms"].values()
@@ -78,8 +79,8 @@ def main() -> None:
         bps = cluster.parse_rate(rate)
         one_byte = {"algorithm": strategy, "devices": 2, "hosts": 2, "size_bytes": 1, "nic_bps": bps}
         swap = nic_model.inter_terms(one_byte).bytes_sent  # 2 for an exchange of ppermutes between two hosts, else 1
-        network = {"algorithms": {strategy: {"alpha_s": alpha, "beta_s_per_byte": nic_model.nic_beta(bps) * swap,
-                                             "gamma_s_per_byte": 0.0, "shared": False}}}
+        network = predict.Cluster(1, cost.Link(0.0, 0.0, "memory"),  # a device per host: every sum crosses the NIC
+                                  cost.Link(alpha, nic_model.nic_beta(bps) * swap, "nic"), 1, f"2 hosts, {rate}")
         return predict.predict(leaves, compute_s, [2], [strategy], network)[0]["strategies"][strategy]
 
     rows = []

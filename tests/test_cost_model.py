@@ -74,6 +74,33 @@ def test_wrappers_change_messages_and_bytes():
     assert get("ring+powersgd1").cost is None and get("ring+bfloat16").cost is not None
 
 
+
+@pytest.mark.parametrize("name, k", [("psum", 2), ("hierarchical:psum:2x2", 4)])
+def test_a_steps_psums_are_priced_once_because_xla_combines_them(name, k, devices):
+    """XLA's all-reduce combiner merges the psums of a step's leaves into one all-reduce (the outer level's,
+    for hierarchical:psum), so their cost prices the leaves as one buffer there; jdp's own ppermutes stay one
+    per leaf. If XLA stopped combining, the compiled step would hold one all-reduce per leaf and this fails."""
+    import optax
+
+    from jdp import models
+    from jdp.parallel.layout import replicate, split_batch
+    from jdp.parallel.step import make_train_step
+
+    model, optimizer, devices = models.get("lenet"), optax.sgd(0.1), devices[:k]
+    params = model.init(jax.random.key(0))
+    step = make_train_step(model.loss, optimizer, name, devices)
+    batch = split_batch(np.zeros((2 * k, 1, 28, 28), np.float32), np.zeros(2 * k, np.int32), devices)
+    hlo = step.lower(replicate(params, devices), replicate(optimizer.init(params), devices), *batch).compile().as_text()
+    assert hlo.count(" all-reduce(") == 1
+    leaves = predict.gradient_leaf_bytes("lenet")
+    per_node = None if name == "psum" else 2
+    as_leaves, as_one = terms(name, k, leaves, per_node), terms("hierarchical:ring:2x2" if per_node else "ring",
+                                                               k, [sum(leaves)], per_node)
+    combined = "inter" if per_node else "intra"
+    assert as_leaves[combined].messages == as_one[combined].messages  # once, not once per leaf
+    assert as_leaves[combined].bytes_sent == pytest.approx(as_one[combined].bytes_sent)
+    assert terms(name.replace("psum", "ring"), k, leaves, per_node)[combined].messages == len(leaves) * as_one[combined].messages
+
 def test_nnls_keeps_coefficients_non_negative():
     a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     x = fit.nnls(a, np.array([1.0, -1.0, 0.0]))

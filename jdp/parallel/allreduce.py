@@ -77,7 +77,9 @@ def hierarchical(outer: str = "ring", shape: tuple[int, int] | None = None) -> A
 _STRATEGIES: dict[str, Allreduce] = {  # built-ins first, then what users register
     "psum": Allreduce("psum", collectives.psum, reduce_scatter=collectives.psum_scatter,
                       all_gather=collectives.all_gather,
-                      cost=cost.flat("ring", "psum")),  # XLA's choice: an assumption the fit's residuals test
+                      # XLA's algorithm (a ring: an assumption the fit's residuals test), and its all-reduce
+                      # combiner merges a step's psums into one: priced as one buffer of the leaves
+                      cost=cost.fused_cost(cost.flat("ring", "psum"), None)),
     "manual": Allreduce("manual", transfers.manual, "outside", reduce_scatter=transfers.manual_reduce_scatter,
                         all_gather=transfers.manual_all_gather, cost=cost.flat("star", "manual")),
     "manual_ring": Allreduce("manual_ring", transfers.manual_ring, "outside",

@@ -164,7 +164,8 @@ def hierarchical(outer: str, shape: tuple[int, int] | None, name: str, ppermutes
 
     L is `shape`'s (H, L) if given (k must then be H·L), else the caller's `per_node`; without
     either it cannot be priced (None). Fitted as `name`, else as the ring. `ppermutes`: the outer
-    level is made of `ppermute`s over the H nodes (`Cost.exchange`).
+    level is made of `ppermute`s over the H nodes (`Cost.exchange`); otherwise it is XLA's psum, whose
+    all-reduce combiner merges a step's outer sums into one (priced as one chunk of the leaves).
     """
 
     def terms(k: int, leaf_bytes: Sequence[float], per_node: int | None) -> Levels | None:
@@ -181,6 +182,7 @@ def hierarchical(outer: str, shape: tuple[int, int] | None, name: str, ppermutes
         intra, inter = Terms(), Terms()
         for nbytes in filter(lambda b: b > 0, leaf_bytes):
             intra += _times(flat_terms("ring", local, nbytes), hosts)
+        for nbytes in filter(lambda b: b > 0, leaf_bytes if ppermutes else [sum(leaf_bytes)]):
             inter += _times(flat_terms(outer, hosts, nbytes / local), local).scaled(concurrent=local)
         return {"intra": intra, "inter": inter}
 
