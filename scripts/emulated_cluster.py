@@ -3,9 +3,10 @@
 Runs as root. For each NIC rate and strategy: `jdp launch --hosts 2 --nic RATE -- jdp train` on the
 synthetic set (batch 256: 128 per host, 8 steps an epoch), step time = the median of epochs 2.. / 8.
 The prediction is `jdp.bench.predict`'s step (compute + one allreduce of LeNet's gradient, leaf by leaf as
-each strategy's cost prices it, not overlapped) on a network described by the NIC rate (β, `jdp.bench.nic_model`) and each algorithm's α
-from `--nic-model-json` (`jdp bench allreduce --fit ... --nic-model --out DIR`). Compute per image is
-measured here too: one process, one device, on one core, batch 128 (what each host computes per step).
+each strategy's cost prices it, not overlapped) on 2 hosts of one device joined by NICs described by the
+rate (β, `jdp.bench.nic_model`) and each algorithm's α from `--nic-model-json` (`jdp bench allreduce
+--fit ... --nic-model --out DIR`). Compute per image is measured here too: one process, one device, on one
+core, batch 128 (what each host computes per step).
 
 A second prediction takes as "compute" the step measured on the same cluster with NICs of 40gbit (where
 the wire is not the limit: it holds the 2-process step's own costs, α included), and adds only the
