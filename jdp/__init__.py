@@ -39,7 +39,8 @@ from jdp.training.checkpoint import Checkpoints
 from jdp.training.config import TrainConfig
 from jdp.training.evaluate import make_evaluator
 from jdp.training.guards import Guards
-from jdp.training.loop import EpochRecord, Hooks, train
+from jdp.training.hooks import EpochRecord, Hooks
+from jdp.training.loop import train
 from jdp.training.optimizers import make as make_optimizer
 
 try:

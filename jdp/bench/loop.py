@@ -38,7 +38,8 @@ from jdp.training import tally
 from jdp.training.build import build_run
 from jdp.training.config import TrainConfig
 from jdp.training.feeders import CallPlan, make_epoch_runner
-from jdp.training.loop import EpochRecord, Hooks, train
+from jdp.training.hooks import EpochRecord, Hooks
+from jdp.training.loop import train
 
 TARGET = 1.3  # train / bare, seconds per step
 

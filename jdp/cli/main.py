@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from jdp.data import Dataset
     from jdp.training.checkpoint import Checkpoints
     from jdp.training.config import TrainConfig
-    from jdp.training.loop import EpochRecord, Hooks
+    from jdp.training.hooks import EpochRecord, Hooks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,7 +256,7 @@ def run_train(args: argparse.Namespace) -> int:
     from jdp.runtime.devices import describe
     from jdp.training import checkpoint, formulation
     from jdp.training.config import TrainConfig, payload_bytes
-    from jdp.training.loop import Hooks
+    from jdp.training.hooks import Hooks
     from jdp.training.profile import Profiler, default_window, format_heaviest, parse_steps, trace_directory
     from jdp.training.stragglers import Stopwatch, Straggler, format_report
 

@@ -5,23 +5,32 @@
 """
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import jax
 
 from jdp import models
+from jdp.data import Dataset
 from jdp.models import Model
 from jdp.parallel.layout import copies, fetch, place
 from jdp.parallel.opt_state import OptState
 from jdp.parallel.step import Segment, TrainStep, check_strategy, make_step
 from jdp.parallel.strategy import Allreduce
-from jdp.parallel.sync import Sync
+from jdp.parallel.sync import Sync, make_consensus, make_sync
+from jdp.runtime.faults import JobWatch
+from jdp.training.checkpoint import Checkpoints
 from jdp.training.config import TrainConfig
+from jdp.training.guards import Watch
+from jdp.training.keeper import Keeper
+from jdp.training.resume import describe_run
 from jdp.types import PyTree
 
 if TYPE_CHECKING:
     import optax
+
+    from jdp.training.profile import Profiler
+    from jdp.training.stragglers import Stopwatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +59,53 @@ class BuiltRun:
         return make_step(self.model, self.opt, self.devices, self.config.backend, accumulate=self.config.accumulate,
                          **hooks)
 
+    def loop_step(self, steps_done: Callable[[], int], last_step: int, profile: "Profiler | None" = None,
+                  stopwatch: "Stopwatch | None" = None) -> tuple[TrainStep, Callable[[tuple[PyTree, PyTree]], PyTree]]:
+        """The step the training loop calls, and the one model of a state to evaluate.
+
+        A local sync mode's replicas meet after the steps it names (`steps_done()` counts the steps run
+        before the call), and its model is their consensus; every other step keeps one model, replicated.
+        A stopwatch times each step and each sync; a profile's segments wrap an outside strategy's calls.
+        """
+        step = self.step(None if profile is None else profile.segment)
+        if stopwatch is not None:
+            step = stopwatch.step(step, lambda: steps_done() + 1)
+        if not self.sync.local:
+            return step, lambda state: state[0]
+        meet = make_sync(self.sync, self.strategy, self.opt, self.devices, self.config.backend)
+        if stopwatch is not None:
+            meet = stopwatch.sync(meet)
+
+        def step_then_sync(params, opt_state, images, labels):
+            params, opt_state, loss = step(params, opt_state, images, labels)
+            for key in self.sync.meetings(steps_done() + 1, last_step):
+                params, opt_state = meet(params, opt_state, key)
+            return params, opt_state, loss
+
+        consensus = make_consensus(self.sync, self.opt, self.devices, self.config.backend)
+        return step_then_sync, lambda state: consensus(*state)
+
+    def start(self, dataset: Dataset, checkpoints: Checkpoints | None, check_replicas: int | None,
+              job: JobWatch) -> tuple[Keeper, tuple[PyTree, PyTree], jax.Array]:
+        """The run's keeper, its (params, opt_state) placed on the devices and its data-order key: from the
+        seed, or from the newest checkpoint when resuming."""
+        config, model, sync, opt = self.config, self.model, self.sync, self.opt
+        init_key, data_key = jax.random.split(jax.random.key(config.seed))
+        params = model.init(init_key)
+        start, opt_state = self.initial_state(params, jax.random.fold_in(init_key, 1))
+        steps_per_epoch = len(dataset.train.labels) // config.batch_size
+        last_step = steps_per_epoch * config.epochs
+        watch = Watch(params, check_replicas, same=_same_on_every_device(model), same_opt_state=opt.replicated_part,
+                      comparable=lambda step: not sync.local or sync.agrees_after(step, last_step))
+        described = None if checkpoints is None else describe_run(
+            config.to_dict(), dataset, len(self.devices), per_device_state=opt.per_device_strategy_state or opt.local)
+        keeper = Keeper(checkpoints, described=described, steps_per_epoch=steps_per_epoch, watch=watch,
+                        host_copy=self.to_host, data_key=jax.random.key_data(data_key), job=job)
+        arrays = {"params": start, "opt_state": opt_state, "data_key": keeper.data_key}
+        if checkpoints is not None and checkpoints.resume:
+            arrays = keeper.resume(arrays, config.epochs)
+        return keeper, self.placed(arrays["params"], arrays["opt_state"]), jax.random.wrap_key_data(arrays["data_key"])
+
     def initial_state(self, variables: PyTree, key: jax.Array) -> tuple[PyTree, PyTree]:
         """(params, opt_state) before step 1, in their host form (what a checkpoint holds): the model's
         `variables` (a local sync: one copy per device, each then its own) and the optimizer state, a
@@ -67,6 +123,13 @@ class BuiltRun:
         """The inverse of `placed`: the host form (a collective with several processes)."""
         backend = self.config.backend
         return fetch(params, self.sync.params_kind, backend), self.opt.to_host(opt_state, backend)
+
+
+def _same_on_every_device(model: Model) -> Callable[[PyTree], PyTree]:
+    """What the replica check compares: everything, except per-replica BatchNorm statistics mid-epoch."""
+    if model.per_replica_state:
+        return lambda variables: models.trainable(model, variables)
+    return lambda variables: variables
 
 
 def build_run(config: TrainConfig, devices: Sequence[jax.Device]) -> BuiltRun:

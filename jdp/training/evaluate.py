@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdp import models
+from jdp.data import Split
 from jdp.parallel.inflight import InFlight
 from jdp.parallel.layout import Backend, check_backend, map_over_devices, process_rows, shard_rows, unreplicate
 from jdp.runtime.devices import AXIS
@@ -74,6 +76,23 @@ def make_evaluator(
             window.push(counts[-1])
         window.drain()
         return sum(int(np.asarray(c.addressable_data(0)).reshape(-1)[0]) for c in counts) / len(images)
+
+    return evaluate
+
+
+def make_epoch_evaluator(model: models.Model, devices: Sequence[jax.Device], backend: Backend, *,
+                         on_all_devices: bool) -> Callable[[tuple[PyTree, PyTree], Callable, Split], tuple[tuple, float]]:
+    """`evaluate(state, model_of, test) -> (state, test accuracy)` after each epoch: per-replica statistics
+    averaged first (one set before evaluating and saving, see `jdp.models`), then the one model evaluated."""
+    accuracy = make_evaluator(model.apply, devices, on_all_devices=on_all_devices, backend=backend)
+    if model.per_replica_state:
+        average = map_over_devices(lambda variables: (models.average_state(variables),), devices,
+                                   backend, ("per_device",), ("per_device",), donate=(0,))
+
+    def evaluate(state, model_of, test):
+        if model.per_replica_state:
+            state = (average(state[0])[0], state[1])
+        return state, accuracy(model_of(state), test.images, test.labels)
 
     return evaluate
 
