@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from jdp.data import Dataset, Split
 from jdp.data import load as load_dataset
 from jdp.data import synthetic as synthetic_dataset
-from jdp.errors import ConfigError, DataError, DeviceError, JdpError, ProcessLostError, TrainingError
+from jdp.errors import Arg, ConfigError, DataError, DeviceError, JdpError, ProcessLostError, TrainingError
 from jdp.models import Model, summed_cross_entropy
 from jdp.models import get as get_model
 from jdp.models import names as model_names
@@ -68,6 +68,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AXIS",
     "Allreduce",
+    "Arg",
     "Checkpoints",
     "ConfigError",
     "Cost",

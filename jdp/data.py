@@ -17,7 +17,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jdp.errors import DataError
+from jdp.errors import Arg, DataError
 
 FILES = {
     "train_images": "train-images-idx3-ubyte.gz",
@@ -88,7 +88,7 @@ def load_idx(data_dir: str | os.PathLike) -> Dataset:
     """Loads the four canonical Fashion-MNIST IDX files from `data_dir`."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise DataError(f"Data directory not found: {data_dir}. Pass `data_dir` or set $JDP_DATA_DIR.")
+        raise DataError(f"Data directory not found: {data_dir}. Pass ", Arg("data_dir"), " or set $JDP_DATA_DIR.")
     missing = [name for name in FILES.values() if not (data_dir / name).is_file()]
     if missing:
         raise DataError(f"{data_dir} lacks {', '.join(missing)}; it needs all four Fashion-MNIST IDX files.")
@@ -102,7 +102,7 @@ def load_idx(data_dir: str | os.PathLike) -> Dataset:
             to_split(arrays["test_images"], arrays["test_labels"]),
         )
     except DataError as e:
-        raise DataError(f"{data_dir}: {e}") from None
+        raise DataError(f"{data_dir}: ", *e.parts) from None
 
 
 def default_data_dirs() -> list[Path]:
@@ -125,8 +125,8 @@ def find_data_dir(data_dir: str | os.PathLike | None = None, *, download: bool =
     target = default_data_dirs()[-1]
     if not download:
         raise DataError(
-            "Fashion-MNIST not found in " + ", ".join(map(str, default_data_dirs()))
-            + ". Pass `data_dir`, a directory holding the four IDX files, or set $JDP_DATA_DIR."
+            "Fashion-MNIST not found in " + ", ".join(map(str, default_data_dirs())) + ". Pass ", Arg("data_dir"),
+            ", a directory holding the four IDX files, or set $JDP_DATA_DIR."
         )
     return download_fashion_mnist(target)
 
@@ -158,8 +158,8 @@ def download_fashion_mnist(target: str | os.PathLike) -> Path:
             except OSError as e:
                 os.unlink(tmp.name)
                 raise DataError(
-                    f"Could not download {url} ({e}). Without network access, pass `data_dir` "
-                    "pointing at the four Fashion-MNIST IDX files."
+                    f"Could not download {url} ({e}). Without network access, pass ", Arg("data_dir"),
+                    " pointing at the four Fashion-MNIST IDX files."
                 ) from None
         digest = hashlib.sha256(Path(tmp.name).read_bytes()).hexdigest()
         if os.path.getsize(tmp.name) != size or digest != sha256:

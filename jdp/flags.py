@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from jdp.errors import ConfigError, DeviceError, check_positive
+from jdp.errors import Arg, ConfigError, DeviceError, check_positive
 from jdp.parallel.allreduce import names as allreduce_names
 from jdp.parallel.compress import MODES
 from jdp.parallel.layout import BACKENDS
@@ -111,7 +111,7 @@ def load_plugins(modules: list[str]) -> None:
         try:
             importlib.import_module(name)
         except ImportError as e:
-            raise ConfigError(f"`plugin={name}` cannot be imported: {e}. Is it on PYTHONPATH?") from None
+            raise ConfigError(Arg("plugin", name), f" cannot be imported: {e}. Is it on PYTHONPATH?") from None
 
 
 def setup_devices(args: argparse.Namespace) -> list:
@@ -131,10 +131,9 @@ def setup_devices(args: argparse.Namespace) -> list:
     distributed.initialize(*job, heartbeat_s=faults.heartbeat_seconds(getattr(args, "collective_timeout", None)))
     try:
         return devices.select_devices(args.devices)
-    except DeviceError as e:  # `count=K` ... `simulate_cpu_devices(K)`: the flags that set them
-        k = args.devices
-        raise DeviceError(str(e).replace(f"`count={k}`", f"`devices={k}`")
-                          .replace(f"`simulate_cpu_devices({k})`", f"`cpu_devices={k}`")) from None
+    except DeviceError as e:  # select_devices' `count` is what `--devices` sets
+        raise DeviceError(*(Arg("devices", part.value) if isinstance(part, Arg) and part.name == "count" else part
+                            for part in e.parts)) from None
 
 
 def native_log_path(out: str | None, process_id: int | None) -> Path:
@@ -155,7 +154,7 @@ def check_out_dir(out: str | None) -> Path | None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"`out={out}` cannot be created: {e.strerror}.") from None
+        raise ConfigError(Arg("out", out), f" cannot be created: {e.strerror}.") from None
     if not os.access(path, os.W_OK):
-        raise ConfigError(f"`out={out}` is not writable.")
+        raise ConfigError(Arg("out", out), " is not writable.")
     return path

@@ -30,7 +30,7 @@ def apply(params, images):
 def build(**options):
     """`jdp train` passes `impl=` and `batchnorm=`; this model has neither, so it refuses a BatchNorm choice."""
     if options.get("batchnorm") is not None:
-        raise jdp.ConfigError(f"`--batchnorm` does not apply to `--model {MODEL}`.")
+        raise jdp.ConfigError(jdp.Arg("batchnorm"), " does not apply to ", jdp.Arg("model", MODEL), ".")
     return jdp.Model(init, jdp.summed_cross_entropy(apply), apply, name=MODEL)
 
 

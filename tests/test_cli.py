@@ -1,11 +1,16 @@
+import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from jdp.cli import main as cli
-from jdp.cli.errors import as_flags, option_flags
+from jdp.cli.errors import in_flags, option_flags
+from jdp.errors import Arg, ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args, timeout=300):
@@ -72,18 +77,58 @@ def test_steps_per_call_is_a_number_or_auto_on_the_command_line(capsys):
     assert "--steps-per-call: expected a number of steps or auto, got 'many'" in err
 
 
-def test_library_names_are_printed_as_the_commands_flags():
+def test_the_arguments_an_error_is_about_are_printed_as_the_commands_flags():
     parser = cli.build_parser()
-    args = parser.parse_args(["train"])
-    options = option_flags(parser, args)
-    message = ("`accumulate=5` cuts each device's 12 rows into uneven micro-batches; `shard_optimizer` needs "
-               "`allreduce=psum`. `shard_optimizer=True`, `fuse=False`, `unknown_name=3`, `shard_optimizer`d, `a b`.")
-    assert as_flags(message, options) == (
+    options = option_flags(parser, parser.parse_args(["train"]))
+    error = ConfigError(Arg("accumulate", 5), " cuts each device's 12 rows into uneven micro-batches; ",
+                        Arg("shard_optimizer"), " needs ", Arg("allreduce", "psum"), ". ", Arg("shard_optimizer", True),
+                        ", ", Arg("fuse", False), ", ", Arg("unknown_name", 3), "; `accumulate=5` is text.")
+    assert str(error) == (
+        "`accumulate=5` cuts each device's 12 rows into uneven micro-batches; `shard_optimizer` needs "
+        "`allreduce=psum`. `shard_optimizer=True`, `fuse=False`, `unknown_name=3`; `accumulate=5` is text.")
+    assert in_flags(error, options) == (
         "`--accumulate 5` cuts each device's 12 rows into uneven micro-batches; `--shard-optimizer` needs "
-        "`--allreduce psum`. `--shard-optimizer`, `no --fuse`, `unknown_name=3`, `--shard-optimizer`d, `a b`.")
+        "`--allreduce psum`. `--shard-optimizer`, `no --fuse`, `unknown_name=3`; `accumulate=5` is text.")
+    assert error.arguments[0] == Arg("accumulate", 5) and len(error.arguments) == 6
     bench = parser.parse_args(["bench", "allreduce"])  # the flags of the subcommand that ran, not of `train`
-    assert as_flags("`repeats` must be a positive integer; `accumulate=5`", option_flags(parser, bench)) == (
-        "`--repeats` must be a positive integer; `accumulate=5`")
+    assert in_flags(ConfigError(Arg("repeats"), " must be a positive integer; ", Arg("accumulate", 5)),
+                    option_flags(parser, bench)) == "`--repeats` must be a positive integer; `accumulate=5`"
+
+
+def cli_names_in_error_text(root: Path, dests: set[str]) -> list[str]:
+    """`file:line` of each string inside a jdp error's constructor that names one of `dests` in backticks
+    (`accumulate`, `accumulate=5`) as text instead of as an `Arg`: the CLI would print it as Python spells it."""
+    import ast
+    import re
+
+    named = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*)(=[^`]*)?`")
+    errors = {"JdpError", "ConfigError", "DataError", "DeviceError", "TrainingError", "ProcessLostError"}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in errors):
+                continue
+            text = "".join(part.value for arg in node.args for part in ast.walk(arg)
+                           if isinstance(part, ast.Constant) and isinstance(part.value, str))
+            if any(m.group(1) in dests for m in named.finditer(text)):
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    return found
+
+
+def test_errors_name_the_cli_settings_they_are_about_as_args(tmp_path):
+    """No jdp error writes a setting that has a CLI flag as text: text is never rewritten, so it would stay Python."""
+    dests, parsers = set(), [cli.build_parser()]
+    while parsers:  # every option of every (sub)command
+        for action in parsers.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+            elif action.option_strings:
+                dests.add(action.dest)
+    assert "accumulate" in dests and "repeats" in dests
+    assert cli_names_in_error_text(ROOT / "jdp", dests) == []
+    (tmp_path / "jdp").mkdir()
+    (tmp_path / "jdp" / "m.py").write_text('def f(n):\n    raise ConfigError(f"`accumulate={n}` is too big")\n')
+    assert cli_names_in_error_text(tmp_path / "jdp", dests) == ["jdp/m.py:2"]  # the check sees one
 
 
 def test_a_library_error_is_reported_with_the_flag(capsys):

@@ -280,7 +280,7 @@ def plant(path: Path, line: str, *, in_function: bool = False) -> None:
 
 
 def test_check_catches_a_benchmark_importing_the_cli(tree_copy):
-    plant(tree_copy / "jdp" / "bench" / "step.py", "from jdp.cli.errors import as_flags", in_function=True)
+    plant(tree_copy / "jdp" / "bench" / "step.py", "from jdp.cli.errors import in_flags", in_function=True)
     problems = package_problems(tree_copy / "jdp")
     assert any("jdp.bench.step (layer 7) imports jdp.cli.errors (layer 8)" in p for p in problems), problems
     assert any("jdp.bench.step imports the CLI (jdp.cli.errors)" in p for p in problems), problems

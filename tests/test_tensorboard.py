@@ -11,7 +11,7 @@ import pytest
 import jdp
 from jdp.cli import compare
 from jdp.cli import main as cli
-from jdp.cli.errors import as_flags, option_flags
+from jdp.cli.errors import in_flags, option_flags
 from jdp.errors import ConfigError
 from jdp.training.config import TrainConfig
 from jdp.training.loop import train
@@ -94,7 +94,7 @@ def test_without_the_tensorboard_package_the_error_says_what_to_install(tmp_path
                                           r"pip install 'jdp\[tensorboard\]'") as raised:
         TensorBoardWriter(tmp_path, {}, 0.1, 0)
     parser = cli.build_parser()  # the CLI names the flag, and the package stays a package
-    said = as_flags(str(raised.value), option_flags(parser, parser.parse_args(["train"])))
+    said = in_flags(raised.value, option_flags(parser, parser.parse_args(["train"])))
     assert said.startswith(f"`--tensorboard {tmp_path}` needs the 'tensorboard' package"), said
 
 

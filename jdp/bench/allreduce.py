@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jdp.bench import fit
 from jdp.bench.machine import machine, where
-from jdp.errors import ConfigError, check_positive
+from jdp.errors import Arg, ConfigError, check_positive
 from jdp.flags import add_device_flags, add_job_flags, check_out_dir, load_plugins, setup_devices
 from jdp.parallel import allreduce
 from jdp.parallel.inflight import InFlight
@@ -107,11 +107,11 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+)\s*([KMG]iB|B)?\s*", text)
     if not match:
         raise ConfigError(
-            f"`sizes` has `{text}`, not a size: write a number with a unit B, KiB, MiB or GiB, e.g. 4KiB."
+            Arg("sizes"), f" has `{text}`, not a size: write a number with a unit B, KiB, MiB or GiB, e.g. 4KiB."
         )
     size = int(match.group(1)) * _UNITS[match.group(2) or ""]
     if size < _ITEMSIZE or size % _ITEMSIZE:
-        raise ConfigError(f"`sizes` has `{text}`: a buffer must be a positive multiple of 4 bytes (float32).")
+        raise ConfigError(Arg("sizes"), f" has `{text}`: a buffer must be a positive multiple of 4 bytes (float32).")
     return size
 
 
@@ -124,7 +124,7 @@ def parse_sizes(text: str) -> list[int]:
     if ".." in text:
         low, high = (parse_size(part) for part in text.split("..", 1))
         if high < low:
-            raise ConfigError(f"`sizes={text}`: the range ends below where it starts; write LO..HI.")
+            raise ConfigError(Arg("sizes", text), ": the range ends below where it starts; write LO..HI.")
         sizes = [low]
         while sizes[-1] * 4 <= high:
             sizes.append(sizes[-1] * 4)
@@ -298,9 +298,9 @@ def load_runs(paths: Sequence[str]) -> list[dict]:
         try:
             record = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
-            raise ConfigError(f"`fit` has `{path}`, which cannot be read as JSON: {e}.") from None
+            raise ConfigError(Arg("fit"), f" has `{path}`, which cannot be read as JSON: {e}.") from None
         if not isinstance(record, dict) or record.get("benchmark") != "allreduce":
-            raise ConfigError(f"`fit` has `{path}`, not written by `jdp bench allreduce --out`.")
+            raise ConfigError(Arg("fit"), f" has `{path}`, not written by `jdp bench allreduce --out`.")
         runs.append(record)
     return runs
 
@@ -317,7 +317,7 @@ def run_fit(args: argparse.Namespace) -> int:
     rows = [r for run in runs for r in run["results"]]
     counts = sorted({r["devices"] for r in rows})
     if args.hold_out is not None and (args.hold_out not in counts or len(counts) < 2):
-        raise ConfigError(f"`hold_out={args.hold_out}` must be one of the runs' device counts {counts}, "
+        raise ConfigError(Arg("hold_out", args.hold_out), f" must be one of the runs' device counts {counts}, "
                           "with at least one other count to fit on.")
     shared = args.link == "shared" or (args.link == "auto" and all(run.get("platform") == "cpu" for run in runs))
     record = fit.fit_all(rows, held_out=args.hold_out, shared=shared)
@@ -362,8 +362,8 @@ def run_allreduce_bench(args: argparse.Namespace) -> int:
     if args.fit is not None:
         return run_fit(args)
     if args.hold_out is not None or args.link != "auto" or args.nic_model or args.alpha_rate is not None:
-        raise ConfigError("`hold_out`, `link`, `nic_model` and `alpha_rate` apply to fits of saved runs; add "
-                          "`fit=RUN.json ...`.")
+        raise ConfigError(Arg("hold_out"), ", ", Arg("link"), ", ", Arg("nic_model"), " and ", Arg("alpha_rate"),
+                          " apply to fits of saved runs; add ", Arg("fit", "RUN.json ..."), ".")
     sizes = parse_sizes(args.sizes)
     check_positive("repeats", args.repeats)
     load_plugins(args.plugin)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jdp.bench.machine import machine
-from jdp.errors import ConfigError, check_positive
+from jdp.errors import Arg, ConfigError, check_positive
 from jdp.flags import add_device_flags, check_out_dir, setup_devices
 from jdp.models import get as get_model
 from jdp.models import Model, lenet, lenet_fast, precision, summed_cross_entropy
@@ -230,7 +230,7 @@ def run_formulations_bench(args: argparse.Namespace) -> int:
     names = default if args.only is None else [n.strip() for n in args.only.split(",")]
     unknown = [n for n in names if n not in FORMULATIONS]
     if unknown:
-        raise ConfigError(f"`only`: no formulation `{unknown[0]}`; choose from {', '.join(FORMULATIONS)}.")
+        raise ConfigError(Arg("only"), f": no formulation `{unknown[0]}`; choose from {', '.join(FORMULATIONS)}.")
     names = list(dict.fromkeys(["reference", "fast", *names]))  # the two ratios need both
     out = check_out_dir(args.out)
     devices = setup_devices(args)

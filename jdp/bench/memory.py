@@ -26,7 +26,7 @@ import numpy as np
 
 from jdp import data, models
 from jdp.bench.machine import machine, where
-from jdp.errors import ConfigError, check_positive
+from jdp.errors import Arg, ConfigError, check_positive
 from jdp.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
 from jdp.parallel.buckets import plan
 from jdp.parallel.collectives import psum_scatter
@@ -208,11 +208,12 @@ def run_memory_bench(args: argparse.Namespace) -> int:
     out = check_out_dir(args.out)
     devices = setup_devices(args)
     if max(args.ks) > len(devices):
-        raise ConfigError(f"`ks={max(args.ks)}` exceeds the {len(devices)} devices; pass `cpu_devices="
-                          f"{max(args.ks)}` (or fewer `ks`).")
+        raise ConfigError(Arg("ks", max(args.ks)), f" exceeds the {len(devices)} devices; pass ",
+                          Arg("cpu_devices", max(args.ks)), " (or fewer ", Arg("ks"), ").")
     for k in args.ks:
         if args.batch_size % k:
-            raise ConfigError(f"`batch_size={args.batch_size}` must be divisible by every `ks` value, not by {k}.")
+            raise ConfigError(Arg("batch_size", args.batch_size), " must be divisible by every ", Arg("ks"),
+                              f" value, not by {k}.")
     rows = bench_memory(devices, args.models, args.optimizers, sorted(set(args.ks)), time_models=args.time_models,
                         timing=Timing(args.batch_size, args.steps, args.repeats))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

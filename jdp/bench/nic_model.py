@@ -28,7 +28,7 @@ each device sends on one connection and receives on another, and the ring is ful
 import statistics
 from collections.abc import Sequence
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError
 from jdp.parallel import allreduce, cost
 
 WIRE_PAYLOAD = 1448 / 1514  # TCP payload per Ethernet frame (MTU 1500, TCP timestamps on): what tbf counts
@@ -105,12 +105,12 @@ def check(runs: Sequence[dict], alpha_rate: int) -> dict:
     rows = []
     for run in runs:
         if "nic_bps" not in run:
-            raise ConfigError("`nic_model` needs runs made under `jdp launch --hosts H --nic RATE` (their "
+            raise ConfigError(Arg("nic_model"), " needs runs made under `jdp launch --hosts H --nic RATE` (their "
                               "allreduce.json records `nic_bps`).")
         rows += [r for r in run["results"] if _cost(r["algorithm"]) is not None]
     if not any(r["nic_bps"] == alpha_rate for r in rows):
         rates = sorted({r["nic_bps"] for r in rows})
-        raise ConfigError(f"`alpha_rate={alpha_rate}` matches no run; the runs are at {rates} bit/s.")
+        raise ConfigError(Arg("alpha_rate", alpha_rate), f" matches no run; the runs are at {rates} bit/s.")
     by_name: dict[str, list[dict]] = {}
     for r in rows:
         by_name.setdefault(f"{_base(r['algorithm'])} {r['hosts']}x{r['devices'] // r['hosts']}", []).append(r)

@@ -37,7 +37,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from jdp.bench.fit import levels_of
-from jdp.errors import ConfigError, check_positive
+from jdp.errors import Arg, ConfigError, check_positive
 from jdp.flags import add_plugin_flag, check_out_dir, load_plugins
 from jdp.parallel import allreduce, cost
 from jdp.parallel.buckets import fused
@@ -194,17 +194,17 @@ def load_network(spec: str) -> "Cluster | dict":
     try:
         record = json.loads(Path(spec).read_text())
     except (OSError, ValueError):
-        raise ConfigError(f"`network={spec}` is neither a preset ({', '.join(CLUSTERS)}) nor a readable fit.json."
+        raise ConfigError(Arg("network", spec), f" is neither a preset ({', '.join(CLUSTERS)}) nor a readable fit.json."
                           ) from None
     if not isinstance(record, dict) or "algorithms" not in record:
-        raise ConfigError(f"`network={spec}` is not a fit.json (written by `jdp bench allreduce --fit --out`).")
+        raise ConfigError(Arg("network", spec), " is not a fit.json (written by `jdp bench allreduce --fit --out`).")
     return record
 
 
 def compute_seconds_per_image(args: argparse.Namespace) -> float:
     """--compute-ms-per-image, or the 1-device rate of a `jdp bench train` record."""
     if (args.compute_ms_per_image is None) == (args.train_json is None):
-        raise ConfigError("Give exactly one of `compute_ms_per_image` and `train_json`.")
+        raise ConfigError("Give exactly one of ", Arg("compute_ms_per_image"), " and ", Arg("train_json"), ".")
     if args.compute_ms_per_image is not None:
         _check_above_zero("compute_ms_per_image", args.compute_ms_per_image)
         return args.compute_ms_per_image * 1e-3
@@ -213,13 +213,13 @@ def compute_seconds_per_image(args: argparse.Namespace) -> float:
         one = next(r for r in record["results"] if r.get("devices") == 1 and r.get("precision") == "float32")
         return 1 / one["images_per_s"]
     except (OSError, ValueError, KeyError, StopIteration, TypeError, ZeroDivisionError):
-        raise ConfigError(f"`train_json={args.train_json}` has no float32 1-device result with images_per_s "
+        raise ConfigError(Arg("train_json", args.train_json), " has no float32 1-device result with images_per_s "
                           "(write one with `jdp bench train --out DIR`).") from None
 
 
 def _check_above_zero(name: str, value: float) -> None:
     if not value > 0:
-        raise ConfigError(f"`{name}` must be a positive number, got {value}.")
+        raise ConfigError(Arg(name), f" must be a positive number, got {value}.")
 
 
 def run_predict(args: argparse.Namespace) -> int:
@@ -230,7 +230,7 @@ def run_predict(args: argparse.Namespace) -> int:
     try:
         counts = [int(c) for c in args.devices.split(",")]
     except ValueError:
-        raise ConfigError(f"`devices={args.devices}`: write device counts separated by commas, e.g. 8,64,1024."
+        raise ConfigError(Arg("devices", args.devices), ": write device counts separated by commas, e.g. 8,64,1024."
                           ) from None
     for k in counts:
         check_positive("devices", k)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jdp import data
 from jdp.bench import baselines
 from jdp.bench.machine import machine
-from jdp.errors import ConfigError, check_positive
+from jdp.errors import Arg, ConfigError, check_positive
 from jdp.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
 from jdp.models import lenet, precision
 from jdp.models.lenet_fast import FORMULATIONS
@@ -287,7 +287,7 @@ def run_train_bench(args: argparse.Namespace) -> int:
         check_positive(name, getattr(args, name))
     precisions = [name.strip() for name in args.precision.split(",") if name.strip()]
     if not precisions:
-        raise ConfigError("`precision` needs at least one of " + ", ".join(precision.PRECISIONS) + ".")
+        raise ConfigError(Arg("precision"), " needs at least one of " + ", ".join(precision.PRECISIONS) + ".")
     for name in precisions:
         precision.check(name)
     load_plugins(args.plugin)
@@ -298,7 +298,7 @@ def run_train_bench(args: argparse.Namespace) -> int:
     else:
         split = data.load_idx(data.find_data_dir(args.data_dir, download=False)).train
     if args.steps * args.batch_size > len(split.labels):
-        raise ConfigError(f"`steps={args.steps}` × `batch_size={args.batch_size}` exceeds the "
+        raise ConfigError(Arg("steps", args.steps), " × ", Arg("batch_size", args.batch_size), " exceeds the "
                           f"{len(split.labels)} training images; use at most {len(split.labels) // args.batch_size} steps.")
     before = machine()
     kind, cache = this_kind(devices[0].device_kind), read_cache()

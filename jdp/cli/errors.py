@@ -1,16 +1,14 @@
-"""The library's error messages in the CLI's words: Python names become the flags that set them.
+"""The library's errors in the CLI's words: each argument an error is about becomes the flag that sets it.
 
-A `jdp.errors.JdpError` names Python arguments in backticks (`accumulate=5`, `shard_optimizer`,
-`shard_optimizer=True`); on the command line the same setting is a flag. `as_flags` rewrites each
-such name that is the destination of one of the invoked command's options, and leaves everything
-else (file names, values, names the command has no flag for) as it was.
+A `jdp.errors.JdpError` carries the arguments it names as `jdp.errors.Arg` values among its text;
+`in_flags` spells each one whose name is the destination of one of the invoked command's options as
+that option (`--accumulate 5`, `--shard-optimizer`), and every other one as Python does. The text
+between them is printed as it is.
 """
 
 import argparse
-import re
 
-_BACKTICKED = re.compile(r"`([^`\n]*)`")
-_NAME = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:=(.*))?", re.DOTALL)
+from jdp.errors import Arg, JdpError
 
 
 def option_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, argparse.Action]:
@@ -33,26 +31,25 @@ def _flag(action: argparse.Action) -> str:
     return next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
 
 
-def as_flags(message: str, options: dict[str, argparse.Action]) -> str:
-    """`message` with each backticked `name` / `name=value` of `options` written as its flag.
+def as_flag(arg: Arg, options: dict[str, argparse.Action]) -> str:
+    """`arg` as the option of `options` that sets it, in backticks; as Python spells it if none does.
 
-    `name=value` → `--flag value`; for an on/off flag (store_true), `name=True` → `--flag` and
-    `name=False` → `no --flag`; a bare `name` → `--flag`.
+    `name=value` → `--flag value`; for an on/off flag, the value that turns it on → `--flag` and the
+    other → `no --flag`; a bare `name` → `--flag`.
     """
+    action = options.get(arg.name)
+    if action is None:
+        return str(arg)
+    flag = _flag(action)
+    if not arg.has_value:
+        return f"`{flag}`"
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) and str(arg.value) in (
+            "True", "False"):
+        on = str(arg.value) == str(isinstance(action, argparse._StoreTrueAction))
+        return f"`{flag}`" if on else f"`no {flag}`"
+    return f"`{flag} {arg.value}`"
 
-    def rewrite(match: re.Match) -> str:
-        named = _NAME.fullmatch(match.group(1))
-        if named is None or named.group(1) not in options:
-            return match.group(0)
-        name, value = named.group(1), named.group(2)
-        action = options[name]
-        flag = _flag(action)
-        if value is None:
-            return f"`{flag}`"
-        if isinstance(action, argparse._StoreTrueAction) and value in ("True", "False"):
-            return f"`{flag}`" if value == "True" else f"`no {flag}`"
-        if isinstance(action, argparse._StoreFalseAction) and value in ("True", "False"):
-            return f"`{flag}`" if value == "False" else f"`no {flag}`"
-        return f"`{flag} {value}`"
 
-    return _BACKTICKED.sub(rewrite, message)
+def in_flags(error: JdpError, options: dict[str, argparse.Action]) -> str:
+    """`error`'s message with each of its arguments spelled as the command's flag (`as_flag`)."""
+    return error.spelled(lambda arg: as_flag(arg, options))

@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from jdp.cli.errors import as_flags, option_flags
-from jdp.errors import ConfigError, JdpError, ProcessLostError
+from jdp.cli.errors import in_flags, option_flags
+from jdp.errors import Arg, ConfigError, JdpError, ProcessLostError
 from jdp.flags import (
     OneLineErrorParser,
     add_backend_flag,
@@ -349,15 +349,15 @@ def _train_and_log(args: argparse.Namespace, config: "TrainConfig", on: "tuple[D
         if board is not None:
             board.epoch(record)
 
-    def on_lost(line):  # a lost process: one line in this command's flags, then the exit of jdp.runtime.faults
-        end_process(as_flags(line, option_flags(build_parser(), args)))
+    def on_lost(error):  # a lost process: one line in this command's flags, then the exit of jdp.runtime.faults
+        end_process(in_flags(error, option_flags(build_parser(), args)))
 
     try:
         hooks = dataclasses.replace(hooks, on_epoch=on_epoch, progress=progress, on_steps=on_steps)
         guards = Guards(args.check_replicas, args.collective_timeout, on_lost)
         _, history = train(config, *on, checkpoints=checkpoints, hooks=hooks, guards=guards)
     except ProcessLostError as e:
-        on_lost(str(e))
+        on_lost(e)
     finally:
         if board is not None:
             board.close()
@@ -383,15 +383,17 @@ def run_launch(args: argparse.Namespace) -> int:
     if args.hosts is None:
         extra = [name for name in ("nic", "cores_per_host", "delay", "min_hosts") if getattr(args, name) is not None]
         if extra:
-            raise ConfigError(f"`{extra[0]}` describes an emulated cluster: add `hosts=H`.")
+            raise ConfigError(Arg(extra[0]), " describes an emulated cluster: add ", Arg("hosts", "H"), ".")
         if args.num_processes is None:
-            raise ConfigError("`jdp launch` needs `num_processes=P` (loopback) or `hosts=H` (an emulated cluster).")
+            raise ConfigError("`jdp launch` needs ", Arg("num_processes", "P"), " (loopback) or ", Arg("hosts", "H"),
+                              " (an emulated cluster).")
     else:
         if args.nic is None:
-            raise ConfigError(f"`hosts={args.hosts}` needs `nic=RATE`, each NIC's rate, e.g. `nic=100mbit`.")
+            raise ConfigError(Arg("hosts", args.hosts), " needs ", Arg("nic", "RATE"), ", each NIC's rate, e.g. ",
+                              Arg("nic", "100mbit"), ".")
         if args.num_processes not in (None, args.hosts):
-            raise ConfigError(f"`num_processes={args.num_processes}` and `hosts={args.hosts}`: one process per host; "
-                              "drop `num_processes`.")
+            raise ConfigError(Arg("num_processes", args.num_processes), " and ", Arg("hosts", args.hosts),
+                              ": one process per host; drop ", Arg("num_processes"), ".")
         plan = cluster.plan(args.hosts, cluster.parse_rate(args.nic), cores_per_host=args.cores_per_host,
                             delay_ms=args.delay)
         cluster.check_privileges()
@@ -422,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except JdpError as e:  # the library names Python arguments; here they are this command's flags
-        print(f"jdp: error: {as_flags(str(e), option_flags(parser, args))}", file=sys.stderr)
+        print(f"jdp: error: {in_flags(e, option_flags(parser, args))}", file=sys.stderr)
         if in_job():  # the job's shutdown would wait for the processes still training
             sys.stdout.flush()
             sys.stderr.flush()

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError, Message
 from jdp.models import lenet
 from jdp.models.lenet_fast import FORMULATIONS
 from jdp.runtime.devices import AXIS
@@ -75,8 +75,8 @@ def summed_cross_entropy(apply_fn: Callable[[PyTree, jax.Array], jax.Array]) -> 
 def _lenet(impl: str = "fast", batchnorm: str | None = None) -> Model:
     _no_batchnorm("lenet", batchnorm)
     if impl not in FORMULATIONS:
-        raise ConfigError(f"`impl` (a TrainConfig's `formulation`) must be one of {', '.join(FORMULATIONS)}, "
-                          f"got `{impl}`.")
+        raise ConfigError("`impl` (a TrainConfig's ", Arg("formulation"),
+                          f") must be one of {', '.join(FORMULATIONS)}, got `{impl}`.")
     return Model(lenet.init, summed_cross_entropy(FORMULATIONS[impl]), FORMULATIONS[impl], name="lenet")
 
 
@@ -92,7 +92,7 @@ def _lenet_flax(impl: str = "fast", batchnorm: str | None = None) -> Model:
 def _resnet18(impl: str = "fast", batchnorm: str | None = None) -> Model:
     batchnorm = batchnorm or "sync"
     if batchnorm not in BATCHNORM:
-        raise ConfigError(f"`batchnorm` must be one of {', '.join(BATCHNORM)}, got `{batchnorm}`.")
+        raise ConfigError(Arg("batchnorm"), f" must be one of {', '.join(BATCHNORM)}, got `{batchnorm}`.")
     from jdp.models import flax as flax_nets
 
     module = flax_nets.ResNet18(batchnorm_axis=AXIS if batchnorm == "sync" else None)
@@ -101,7 +101,8 @@ def _resnet18(impl: str = "fast", batchnorm: str | None = None) -> Model:
 
 def _no_batchnorm(name: str, batchnorm: str | None) -> None:
     if batchnorm is not None:
-        raise ConfigError(f"`batchnorm` applies to models with BatchNorm (resnet18), not `model={name}`.")
+        raise ConfigError(Arg("batchnorm"), " applies to models with BatchNorm (resnet18), not ",
+                          Arg("model", name), ".")
 
 
 # The registry: name -> build(**options) -> Model. Built-ins take `impl` and `batchnorm` (a TrainConfig's
@@ -140,7 +141,7 @@ def get(name: "str | Model", **options: Any) -> Model:
     if name not in _MODELS and ":" in name:
         return load(name, batchnorm=options.get("batchnorm"))
     if name not in _MODELS:
-        raise ConfigError(f"`model` must be one of {', '.join(_MODELS)}, got `{name}`; or `module:factory` (a "
+        raise ConfigError(Arg("model"), f" must be one of {', '.join(_MODELS)}, got `{name}`; or `module:factory` (a "
                           "function in a module or .py file that returns a `jdp.Model`).")
     model = _MODELS[name](**options)
     return model if model.name != "custom" else model._replace(name=name)
@@ -162,21 +163,21 @@ def load(spec: str, batchnorm: str | None = None) -> Model:
     if not callable(factory):
         found = ", ".join(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
                           and getattr(v, "__module__", None) == module.__name__)
-        raise ConfigError(f"`model={spec}`: `{where}` has no function `{attribute}`"
+        raise ConfigError(Arg("model", spec), f": `{where}` has no function `{attribute}`"
                           + (f"; it defines {found}." if found else "."))
     options = {} if batchnorm is None else {"batchnorm": batchnorm}
     try:
         inspect.signature(factory).bind(**options)
     except TypeError:
-        raise ConfigError(f"`model={spec}`: `{attribute}` has no parameter batchnorm to receive "
-                          f"`batchnorm={batchnorm}`; "
-                          "add one or drop `batchnorm`." if options else
-                          f"`model={spec}`: `{attribute}` must be callable with no arguments.") from None
+        why = (Message(f": `{attribute}` has no parameter batchnorm to receive ", Arg("batchnorm", batchnorm),
+                       "; add one or drop ", Arg("batchnorm"), ".") if options else
+               f": `{attribute}` must be callable with no arguments.")
+        raise ConfigError(Arg("model", spec), why) from None
     model = factory(**options)
     if not isinstance(model, Model):
-        raise ConfigError(f"`model={spec}`: `{attribute}()` returned a `{type(model).__name__}`, not a `jdp.Model`; "
-                          "wrap the network with `jdp.from_nnx`, `jdp.from_linen` or `jdp.from_equinox`, or "
-                          "build a `jdp.Model(init, loss, apply)`.")
+        raise ConfigError(Arg("model", spec), f": `{attribute}()` returned a `{type(model).__name__}`, not a "
+                          "`jdp.Model`; wrap the network with `jdp.from_nnx`, `jdp.from_linen` or `jdp.from_equinox`, "
+                          "or build a `jdp.Model(init, loss, apply)`.")
     return model if model.name != "custom" else model._replace(name=spec)
 
 
@@ -191,12 +192,13 @@ def _import(where: str, spec: str) -> Any:
         try:
             return importlib.import_module(where)
         except ImportError as e:
-            raise ConfigError(f"`model={spec}`: `{where}` cannot be imported ({e}); put it on PYTHONPATH or name "
-                              f"its file, e.g. `model=path/to/{where.rpartition('.')[2]}.py:"
-                              f"{spec.rpartition(':')[2]}`.") from None
+            raise ConfigError(Arg("model", spec), f": `{where}` cannot be imported ({e}); put it on PYTHONPATH or name "
+                              "its file, e.g. ",
+                              Arg("model", f"path/to/{where.rpartition('.')[2]}.py:{spec.rpartition(':')[2]}"),
+                              ".") from None
     path = Path(where).resolve()
     if not path.is_file():
-        raise ConfigError(f"`model={spec}`: there is no file `{where}`.")
+        raise ConfigError(Arg("model", spec), f": there is no file `{where}`.")
     name = f"jdp_model_file_{abs(hash(str(path)))}"
     if name not in sys.modules:
         loader_spec = importlib.util.spec_from_file_location(name, path)

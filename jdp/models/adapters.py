@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError
 from jdp.models import BATCHNORM, Model
 from jdp.runtime.devices import AXIS
 from jdp.types import PyTree
@@ -236,7 +236,7 @@ def _check_make(make: Any, module_type: type, adapter: str, example: str) -> Non
 
 def _check_batchnorm(batchnorm: str) -> None:
     if batchnorm not in BATCHNORM:
-        raise ConfigError(f"`batchnorm` must be one of {', '.join(BATCHNORM)}, got `{batchnorm}`.")
+        raise ConfigError(Arg("batchnorm"), f" must be one of {', '.join(BATCHNORM)}, got `{batchnorm}`.")
 
 
 def _like(template: PyTree, values: PyTree) -> PyTree:

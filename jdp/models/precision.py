@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError
 from jdp.types import PyTree
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ PRECISIONS: dict[str, Any] = {"float32": None, "bf16": jnp.bfloat16}
 def check(precision: str) -> None:
     """Raises ConfigError unless `precision` is one of `PRECISIONS`."""
     if precision not in PRECISIONS:
-        raise ConfigError(f"`precision` must be one of {', '.join(PRECISIONS)}, got `{precision}`.")
+        raise ConfigError(Arg("precision"), f" must be one of {', '.join(PRECISIONS)}, got `{precision}`.")
 
 
 def cast_floats(tree: PyTree, dtype: Any) -> PyTree:

@@ -14,7 +14,7 @@ from functools import partial
 
 import jax.numpy as jnp
 
-from jdp.errors import ConfigError, check_positive
+from jdp.errors import Arg, ConfigError, check_positive
 from jdp.parallel import collectives, cost, transfers
 from jdp.parallel import compress as compress_lib
 from jdp.parallel.buckets import fused
@@ -153,7 +153,8 @@ def get(name: str | Allreduce, *, fuse: bool = False, bucket_mb: float | None = 
     if fuse:
         strategy = fused(strategy, bucket_mb)
     elif bucket_mb is not None:
-        raise ConfigError(f"`bucket_mb={bucket_mb:g}` only applies to fused buffers; add `fuse=True`.")
+        raise ConfigError(Arg("bucket_mb", f"{bucket_mb:g}"), " only applies to fused buffers; add ",
+                          Arg("fuse", True), ".")
     return compress_lib.compressed(strategy, compress, rank)
 
 
@@ -197,7 +198,8 @@ def _on_wire(strategy: Allreduce, dtype: jnp.dtype, mode: str) -> Allreduce:
     if strategy.wire is None:
         wired = ", ".join(names(wire=True))
         raise ConfigError(
-            f"`compress={mode}` sends low precision and adds in float32 at each hop of a strategy that can "
-            f"(`Allreduce.wire`); use `allreduce={wired}`, or `compress={mode[:4]}` to cast for any strategy."
+            Arg("compress", mode), " sends low precision and adds in float32 at each hop of a strategy that can "
+            "(`Allreduce.wire`); use ", Arg("allreduce", wired), ", or ", Arg("compress", mode[:4]),
+            " to cast for any strategy."
         )
     return strategy.wire(dtype)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError
 from jdp.parallel.cost import fused_cost
 from jdp.parallel.strategy import Allreduce
 from jdp.types import PyTree
@@ -90,7 +90,7 @@ def fused(strategy: Allreduce, bucket_mb: float | None = None) -> Allreduce:
       ConfigError: if `bucket_mb` is not positive.
     """
     if bucket_mb is not None and not bucket_mb > 0:
-        raise ConfigError(f"`bucket_mb` must be positive, got {bucket_mb}.")
+        raise ConfigError(Arg("bucket_mb"), f" must be positive, got {bucket_mb}.")
     cap_bytes = None if bucket_mb is None else bucket_mb * 2**20
     name = f"{strategy.name}+fused" if bucket_mb is None else f"{strategy.name}+buckets{bucket_mb:g}MB"
     cost = None if strategy.cost is None else fused_cost(strategy.cost, bucket_mb)

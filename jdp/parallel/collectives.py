@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError
 from jdp.types import PyTree
 
 Groups = tuple[tuple[int, ...], ...]  # device indices on the axis, cut into equal groups; None: one group of all
@@ -268,13 +268,14 @@ def host_groups(k: int, shape: tuple[int, int] | None = None) -> tuple[Groups, G
         split = next(h for h in range(2, k + 1) if k % h == 0) if k > 1 else 1  # the smallest host count above 1
         raise ConfigError(
             f"A hierarchical allreduce on {hosts} hosts × {local} local devices needs {hosts * local} devices, but "
-            f"the step runs on {k}; give a grouping HxL with H·L = {k}, e.g. `allreduce=hierarchical:{split}x{k // split}`."
+            f"the step runs on {k}; give a grouping HxL with H·L = {k}, e.g. ",
+            Arg("allreduce", f"hierarchical:{split}x{k // split}"), "."
         )
     if processes > 1 and (k // processes) % local:
         raise ConfigError(
             f"A hierarchical allreduce on {hosts} hosts × {local} local devices puts one host's devices in two of "
             f"the {processes} processes ({k // processes} devices each); use a local count L that divides "
-            f"{k // processes}, or `allreduce=hierarchical` (one host per process)."
+            f"{k // processes}, or ", Arg("allreduce", "hierarchical"), " (one host per process)."
         )
     grid = np.arange(k).reshape(hosts, local)
     return tuple(map(tuple, grid.tolist())), tuple(map(tuple, grid.T.tolist()))

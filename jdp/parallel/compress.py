@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdp.errors import ConfigError, check_positive
+from jdp.errors import Arg, ConfigError, check_positive
 from jdp.parallel.cost import cast_cost, gathered
 from jdp.parallel.strategy import Allreduce
 from jdp.types import PyTree
@@ -201,10 +201,10 @@ def _matrix(shape: Sequence[int]) -> tuple[int, int]:
 def check_mode(compress: str, rank: int | None) -> None:
     """Raises ConfigError for an unknown mode, or a rank given to a mode other than `powersgd`."""
     if compress not in MODES:
-        raise ConfigError(f"`compress={compress}` is not a mode; choose one of: {', '.join(MODES)}.")
+        raise ConfigError(Arg("compress", compress), f" is not a mode; choose one of: {', '.join(MODES)}.")
     if compress != "powersgd" and rank is not None:
-        raise ConfigError(f"`powersgd_rank={rank}` applies to `compress=powersgd` only; add `compress=powersgd` "
-                          "or drop `powersgd_rank`.")
+        raise ConfigError(Arg("powersgd_rank", rank), " applies to ", Arg("compress", "powersgd"), " only; add ",
+                          Arg("compress", "powersgd"), " or drop ", Arg("powersgd_rank"), ".")
 
 
 def compressed(strategy: Allreduce, compress: str, rank: int | None = None) -> Allreduce:

@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp.errors import ConfigError, DeviceError
+from jdp.errors import Arg, ConfigError, DeviceError
 from jdp.runtime.devices import AXIS, mesh
 from jdp.types import PyTree
 
@@ -45,7 +45,7 @@ _SPECS = {"replicated": P(), "per_device": P(AXIS), "batch": P(AXIS)}
 def check_backend(backend: str) -> None:
     """Raises ConfigError unless `backend` is one of BACKENDS."""
     if backend not in BACKENDS:
-        raise ConfigError(f"Unknown `backend={backend}`; choose one of: {', '.join(BACKENDS)}.")
+        raise ConfigError("Unknown ", Arg("backend", backend), f"; choose one of: {', '.join(BACKENDS)}.")
 
 
 def map_over_devices(fn: Callable[..., tuple], devices: Sequence[jax.Device], backend: Backend,
@@ -122,8 +122,8 @@ def check_divisible(batch_size: int, device_count: int) -> None:
     """Raises ConfigError unless a global batch splits evenly over the devices (the one copy of this check)."""
     if batch_size % device_count:
         raise ConfigError(
-            f"Batch size must be divisible by the number of devices: `batch_size={batch_size}` over "
-            f"{device_count} devices. Use a multiple of {device_count}."
+            "Batch size must be divisible by the number of devices: ", Arg("batch_size", batch_size),
+            f" over {device_count} devices. Use a multiple of {device_count}."
         )
 
 

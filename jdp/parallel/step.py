@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdp.errors import ConfigError, check_positive, moved_arguments
+from jdp.errors import Arg, ConfigError, check_positive, moved_arguments
 from jdp.models import Model
 from jdp.parallel import allreduce as allreduce_lib
 from jdp.parallel.buckets import plan
@@ -309,19 +309,20 @@ def check_strategy(strategy: Allreduce, devices: Sequence[jax.Device], backend: 
     if not strategy.inside and any(d.process_index != jax.process_index() for d in devices):
         inside = ", ".join(allreduce_lib.names("inside"))
         raise ConfigError(
-            f"`allreduce={strategy.name}` copies buffers between devices with `jax.device_put`, which only "
+            Arg("allreduce", strategy.name), " copies buffers between devices with `jax.device_put`, which only "
             f"reaches this process's devices, but the step spans {jax.process_count()} processes. "
             f"Use a collective strategy instead: {inside}."
         )
     if strategy.stateful and backend != "pmap":
         raise ConfigError(
-            f"`{strategy.name}` keeps different state on each device, which `backend={backend}` cannot hold in "
-            "its replicated `P()` layout. Use `backend=pmap`."
+            f"`{strategy.name}` keeps different state on each device, which ", Arg("backend", backend),
+            " cannot hold in its replicated `P()` layout. Use ", Arg("backend", "pmap"), "."
         )
     if shard_optimizer and (not strategy.has_halves or strategy.stateful):
+        halves = ", ".join(allreduce_lib.names(halves=True))
         raise ConfigError(
-            f"`shard_optimizer=True` splits the allreduce into a reduce-scatter and an all-gather, which "
-            f"`allreduce={strategy.name}` does not provide; use one of: {', '.join(allreduce_lib.names(halves=True))}, "
+            Arg("shard_optimizer", True), " splits the allreduce into a reduce-scatter and an all-gather, which ",
+            Arg("allreduce", strategy.name), f" does not provide; use one of: {halves}, "
             "or give your strategy `reduce_scatter` and `all_gather` (see `jdp.Allreduce`)."
         )
 
@@ -358,8 +359,9 @@ def accumulate_grads(grads_fn: Callable, variables: PyTree, images: jax.Array, l
     n = images.shape[0]
     if n % micro_batches:
         raise ConfigError(
-            f"`accumulate={micro_batches}` cuts each device's {n} rows into {micro_batches} equal micro-batches, "
-            f"which {n} does not allow: use a `batch_size` that is a multiple of devices × {micro_batches}."
+            Arg("accumulate", micro_batches), f" cuts each device's {n} rows into {micro_batches} equal micro-batches, "
+            f"which {n} does not allow: use a ", Arg("batch_size"),
+            f" that is a multiple of devices × {micro_batches}."
         )
     parts = jax.tree.map(lambda a: a.reshape(micro_batches, n // micro_batches, *a.shape[1:]), (images, labels))
 

@@ -26,7 +26,7 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError
 from jdp.parallel.cost import Cost
 from jdp.types import PyTree
 
@@ -117,7 +117,7 @@ def check(strategy: Any) -> Allreduce:
       ConfigError: if it is not an `Allreduce`, its `where` is unknown, or it has one half only.
     """
     if not isinstance(strategy, Allreduce):
-        raise ConfigError(f"`allreduce` takes a `jdp.Allreduce`, got {type(strategy).__name__}.")
+        raise ConfigError(Arg("allreduce"), f" takes a `jdp.Allreduce`, got {type(strategy).__name__}.")
     if strategy.where not in PLACES:
         raise ConfigError(f"Allreduce `{strategy.name}` has `where={strategy.where!r}`; use \"inside\" or \"outside\".")
     if (strategy.reduce_scatter is None) != (strategy.all_gather is None):

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError
 from jdp.parallel.compress import WIRE_DTYPES, dequantize, quantize, quantized
 from jdp.parallel.layout import Kinds
 from jdp.parallel.strategy import Allreduce
@@ -104,19 +104,22 @@ class StreamingDiLoCo(Sync):
 
     def __post_init__(self) -> None:
         if not isinstance(self.fragments, int) or self.fragments < 1:
-            raise ConfigError(f"`fragments` must be a positive number, got {self.fragments}.")
+            raise ConfigError(Arg("fragments"), f" must be a positive number, got {self.fragments}.")
         if self.every % self.fragments:
-            raise ConfigError(f"`sync_every={self.every}` does not split into `fragments={self.fragments}` "
-                              "syncs evenly; use a multiple of it.")
+            raise ConfigError(Arg("sync_every", self.every), " does not split into ", Arg("fragments", self.fragments),
+                              " syncs evenly; use a multiple of it.")
         if not isinstance(self.sync_delay, int) or not 0 <= self.sync_delay < self.every:
-            raise ConfigError(f"`sync_delay` must be in [0, `sync_every`={self.every}), got {self.sync_delay}.")
+            raise ConfigError(Arg("sync_delay"), " must be in [0, ", Arg("sync_every"),
+                              f"={self.every}), got {self.sync_delay}.")
         if not 0 <= self.mixing <= 1:
-            raise ConfigError(f"`mixing` must be in [0, 1], got {self.mixing}.")
+            raise ConfigError(Arg("mixing"), f" must be in [0, 1], got {self.mixing}.")
         if self.outer_dtype not in WIRE_DTYPES:
-            raise ConfigError(f"Unknown `outer_dtype={self.outer_dtype}`; choose one of: {', '.join(WIRE_DTYPES)}.")
+            raise ConfigError("Unknown ", Arg("outer_dtype", self.outer_dtype),
+                              f"; choose one of: {', '.join(WIRE_DTYPES)}.")
         if self.error_feedback and self.outer_dtype == "float32":
-            raise ConfigError("`error_feedback=True` keeps what quantizing the outer gradients loses; with "
-                              "`outer_dtype=float32` nothing is. Add a narrower `outer_dtype` or drop it.")
+            raise ConfigError(Arg("error_feedback", True), " keeps what quantizing the outer gradients loses; with ",
+                              Arg("outer_dtype", "float32"), " nothing is. Add a narrower ", Arg("outer_dtype"),
+                              " or drop it.")
         object.__setattr__(self, "outer", outer_optimizer_of(self.outer_optimizer, self.outer_lr, self.outer_momentum))
         object.__setattr__(self, "init", functools.partial(_initial_state, fragments=self.fragments,
                                                            outer=self.outer, error_feedback=self.error_feedback))
@@ -214,8 +217,8 @@ class StreamingDiLoCo(Sync):
             each meeting here sends a fragment.
         """
         if strategy.stateful:
-            raise ConfigError(f"`allreduce={strategy.name}` keeps per-device state shaped as the whole model; "
-                              f"`sync={self.name}` sends one fragment at a time. Use a stateless strategy.")
+            raise ConfigError(Arg("allreduce", strategy.name), " keeps per-device state shaped as the whole model; ",
+                              Arg("sync", self.name), " sends one fragment at a time. Use a stateless strategy.")
         return strategy if self.outer_dtype == "float32" else quantized(self.outer_dtype)
 
     def _meeting(self, key: Hashable) -> range:

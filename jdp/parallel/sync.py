@@ -21,12 +21,12 @@ stateful, outside), so every device leaves it with bit-identical params. The alg
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import jax
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError, Message
 from jdp.parallel.layout import Backend, Kinds, map_over_devices
 from jdp.parallel.opt_state import OptState
 from jdp.parallel.strategy import Allreduce
@@ -147,15 +147,16 @@ def outer_optimizer_of(name: str | None = None, lr: float | None = None,
     """
     name = name or "nesterov"
     if name not in OUTER_OPTIMIZERS:
-        raise ConfigError(f"Unknown `outer_optimizer={name}`; choose one of: {', '.join(OUTER_OPTIMIZERS)}.")
+        raise ConfigError("Unknown ", Arg("outer_optimizer", name), f"; choose one of: {', '.join(OUTER_OPTIMIZERS)}.")
     lr = DILOCO_OUTER["lr"] if lr is None else lr
     momentum = (DILOCO_OUTER["momentum"] if name == "nesterov" else None) if momentum is None else momentum
     if not lr > 0:
-        raise ConfigError(f"`outer_lr` must be positive, got {lr}.")
+        raise ConfigError(Arg("outer_lr"), f" must be positive, got {lr}.")
     if momentum is not None and not 0 <= momentum < 1:
-        raise ConfigError(f"`outer_momentum` must be in [0, 1), got {momentum}.")
+        raise ConfigError(Arg("outer_momentum"), f" must be in [0, 1), got {momentum}.")
     if name == "nesterov" and not momentum:
-        raise ConfigError("`outer_optimizer=nesterov` needs a momentum in (0, 1); for none, use `outer_optimizer=sgd`.")
+        raise ConfigError(Arg("outer_optimizer", "nesterov"), " needs a momentum in (0, 1); for none, use ",
+                          Arg("outer_optimizer", "sgd"), ".")
 
     def outer():
         import optax
@@ -203,14 +204,14 @@ _SYNCS: dict[str, Sync] = {  # built-ins first, then what users register
 def check(sync: Sync) -> Sync:
     """`sync` if it is a well-formed `Sync`, else a ConfigError saying what is wrong."""
     if not isinstance(sync, Sync):
-        raise ConfigError(f"`sync` must be a registered name or a `jdp.Sync`, got {type(sync).__name__}.")
+        raise ConfigError(Arg("sync"), f" must be a registered name or a `jdp.Sync`, got {type(sync).__name__}.")
     if not isinstance(sync.name, str) or not sync.name:
         raise ConfigError(f"A `jdp.Sync` needs a name to be known by, got {sync.name!r}.")
     if not sync.local and sync != EVERY_STEP:
         raise ConfigError(f"The sync `{sync.name}` has no `received`: what the devices make of the mean at a sync. "
                           "(Only `every-step`, which allreduces every step, meets no other way.)")
     if not isinstance(sync.every, int) or sync.every < 1:
-        raise ConfigError(f"`sync_every` must be a positive number of steps, got {sync.every}.")
+        raise ConfigError(Arg("sync_every"), f" must be a positive number of steps, got {sync.every}.")
     return sync
 
 
@@ -244,22 +245,30 @@ def from_settings(sync: "str | Sync", every: int | None = None, **settings: obje
       ConfigError: naming a setting that is unknown, out of range or meaningless for `sync`.
     """
     if isinstance(sync, str) and sync not in _SYNCS:
-        raise ConfigError(f"Unknown `sync={sync}`; choose one of: {', '.join(_SYNCS)} (or register your own with "
-                          "`jdp.register_sync`, loaded with `--plugin MODULE`).")
+        raise ConfigError("Unknown ", Arg("sync", sync), f"; choose one of: {', '.join(_SYNCS)} (or register your own "
+                          "with `jdp.register_sync`, loaded with `--plugin MODULE`).")
     chosen = _SYNCS[sync] if isinstance(sync, str) else check(sync)
     if every is not None and not chosen.local and every != 1:
-        raise ConfigError(f"`sync_every={every}` needs a local mode: "
-                          f"{' or '.join(f'`sync={name}`' for name in names(local=True))}.")
+        raise ConfigError(Arg("sync_every", every), " needs a local mode: ",
+                          _either(Arg("sync", name) for name in names(local=True)), ".")
     given = {name: value for name, value in settings.items() if value is not None}
     for name, value in given.items():
         if name not in _settings_of(chosen):
-            owners = " or ".join(f"`sync={other}`" for other in _SYNCS if name in _settings_of(_SYNCS[other]))
-            raise ConfigError(f"`{name}={value}` is a setting of {owners or 'no registered sync algorithm'}, "
-                              f"not of `sync={chosen.name}`.")
+            owners = _either(Arg("sync", other) for other in _SYNCS if name in _settings_of(_SYNCS[other]))
+            raise ConfigError(Arg(name, value), " is a setting of ", owners or "no registered sync algorithm",
+                              ", not of ", Arg("sync", chosen.name), ".")
     every = chosen.every if every is None or not chosen.local else every
     if chosen.configure is not None and given:  # built anew with its H and these settings, each checked there
         return check(chosen.configure(every, **given))
     return check(dataclasses.replace(chosen, every=every, **given))  # a subclass's fields, checked when made
+
+
+def _either(args: Iterable[Arg]) -> Message:
+    """The `args` joined by " or " (empty if there are none)."""
+    parts = []
+    for arg in args:
+        parts += [" or ", arg] if parts else [arg]
+    return Message(*parts)
 
 
 def _settings_of(sync: Sync) -> tuple[str, ...]:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from jdp.errors import ConfigError, DeviceError, check_positive
+from jdp.errors import Arg, ConfigError, DeviceError, Message, check_positive
 
 PREFIX = "jdp-"
 NAME = re.compile(r"jdp-(?P<pid>\d+)-(?P<role>sw|h\d+)")  # the namespaces this module creates
@@ -56,11 +56,11 @@ def parse_rate(text: str) -> int:
     """
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?bit)\s*", text.lower())
     if not match:
-        raise ConfigError(f"`nic={text}` is not a rate: write a number and a unit of bits per second, "
+        raise ConfigError(Arg("nic", text), " is not a rate: write a number and a unit of bits per second, "
                           "kbit, mbit or gbit, e.g. 100mbit or 1gbit.")
     bps = int(float(match.group(1)) * _UNITS[match.group(2)])
     if bps < 1000:
-        raise ConfigError(f"`nic={text}` is below 1kbit: give the NIC a rate of at least 1kbit.")
+        raise ConfigError(Arg("nic", text), " is below 1kbit: give the NIC a rate of at least 1kbit.")
     return bps
 
 
@@ -242,9 +242,9 @@ def plan(hosts: int, rate_bps: int, *, cores_per_host: int | None = None, delay_
     """
     check_positive("hosts", hosts)
     if hosts > MAX_HOSTS:
-        raise ConfigError(f"`hosts={hosts}` is more than the {MAX_HOSTS} addresses of the emulated subnet.")
+        raise ConfigError(Arg("hosts", hosts), f" is more than the {MAX_HOSTS} addresses of the emulated subnet.")
     if delay_ms is not None and not delay_ms >= 0:
-        raise ConfigError(f"`delay={delay_ms}` must be a number of milliseconds >= 0.")
+        raise ConfigError(Arg("delay", delay_ms), " must be a number of milliseconds >= 0.")
     allowed = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
     per_host = max(1, len(allowed) // hosts) if cores_per_host is None else cores_per_host
     check_positive("cores_per_host", per_host)
@@ -270,7 +270,7 @@ def effective_capabilities(status: str | None = None) -> int:
     return int(match.group(1), 16) if match else 0
 
 
-def missing_privileges(capabilities: int, which: Callable[[str], str | None]) -> str | None:
+def missing_privileges(capabilities: int, which: Callable[[str], str | None]) -> Message | None:
     """What this machine lacks to emulate a cluster, as a sentence; None if nothing.
 
     Network namespaces, veth pairs and qdiscs need CAP_NET_ADMIN and CAP_SYS_ADMIN (the effective
@@ -280,11 +280,12 @@ def missing_privileges(capabilities: int, which: Callable[[str], str | None]) ->
     tools = [tool for tool in TOOLS if which(tool) is None]
     if any(not capabilities >> bit & 1 for bit in CAPABILITIES.values()):
         lack = f" and {', '.join(f'`{t}`' for t in tools)} (iproute2, util-linux)" if tools else ""
-        return (f"an emulated cluster needs root (network namespaces, veth pairs and tc qdiscs need CAP_NET_ADMIN "
-                f"and CAP_SYS_ADMIN){lack}; run `jdp launch --hosts` as root, or drop `hosts`")
+        return Message("an emulated cluster needs root (network namespaces, veth pairs and tc qdiscs need "
+                       f"CAP_NET_ADMIN and CAP_SYS_ADMIN){lack}; run `jdp launch --hosts` as root, or drop ",
+                       Arg("hosts"))
     if tools:
-        return (f"an emulated cluster needs {', '.join(f'`{t}`' for t in tools)} on PATH (iproute2 has ip and "
-                "tc, util-linux has taskset); install them, or drop `hosts`")
+        return Message(f"an emulated cluster needs {', '.join(f'`{t}`' for t in tools)} on PATH (iproute2 has ip "
+                       "and tc, util-linux has taskset); install them, or drop ", Arg("hosts"))
     return None
 
 
@@ -292,7 +293,7 @@ def check_privileges() -> None:
     """Raises DeviceError (one line) unless this process can build an emulated cluster."""
     problem = missing_privileges(effective_capabilities(), shutil.which)
     if problem is not None:
-        raise DeviceError(f"Cannot emulate a cluster: {problem}.")
+        raise DeviceError("Cannot emulate a cluster: ", problem, ".")
 
 
 def _run(command: Sequence[str]) -> subprocess.CompletedProcess:
@@ -361,8 +362,8 @@ def build(p: Plan) -> None:
             if result.returncode != 0:
                 why = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"
                 if "netem" in command:
-                    raise DeviceError(f"`delay={p.delay_ms:g}` needs the kernel's netem qdisc, which this machine "
-                                      f"lacks (`{' '.join(command)}`: {why}); drop `delay`.")
+                    raise DeviceError(Arg("delay", f"{p.delay_ms:g}"), " needs the kernel's netem qdisc, which this "
+                                      f"machine lacks (`{' '.join(command)}`: {why}); drop ", Arg("delay"), ".")
                 raise DeviceError(f"Cannot emulate a cluster: `{' '.join(command)}` failed: {why}.")
         for path, text in p.hosts_files().items():
             path.parent.mkdir(parents=True, exist_ok=True)

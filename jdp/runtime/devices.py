@@ -11,7 +11,7 @@ import numpy as np
 from jax._src import xla_bridge
 from jax.sharding import Mesh
 
-from jdp.errors import DeviceError, check_positive
+from jdp.errors import Arg, DeviceError, check_positive
 
 AXIS = "data"  # the one device-axis name used by every mapped function and collective
 
@@ -62,9 +62,9 @@ def select_devices(count: int | None = None, platform: str | None = None) -> lis
         if len(ds) < per_process:
             where = "this process has" if len(by_process) == 1 else f"process {process} has"
             raise DeviceError(
-                f"`count={per_process}` asks for more devices than exist: {where} {len(ds)} "
-                f"{ds[0].platform} device(s). On a CPU, simulate more before JAX starts: "
-                f"`simulate_cpu_devices({per_process})`."
+                Arg("count", per_process), f" asks for more devices than exist: {where} {len(ds)} "
+                f"{ds[0].platform} device(s). On a CPU, simulate more before JAX starts: ",
+                Arg("cpu_devices", per_process, python=f"simulate_cpu_devices({per_process})"), "."
             )
     return [d for ds in by_process.values() for d in ds[:per_process]]
 

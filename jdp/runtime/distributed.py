@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from jdp.errors import ConfigError, DeviceError, check_positive
+from jdp.errors import Arg, ConfigError, DeviceError, check_positive
 
 
 def cluster_detected(environ: dict[str, str] | None = None) -> bool:
@@ -63,25 +63,25 @@ def initialize(
     given = {name for name, value in job.items() if value is not None}
     if num_processes == 1 and given <= {"num_processes", "process_id"}:
         if process_id not in (None, 0):
-            raise ConfigError(f"`process_id={process_id}` must be 0 with `num_processes=1`.")
+            raise ConfigError(Arg("process_id", process_id), " must be 0 with ", Arg("num_processes", 1), ".")
         return False
     if not given:
         if not cluster_detected(environ):
             return False
         return _initialize({}, heartbeat_s)
     if given != set(job):
-        missing = ", ".join(f"`{name}`" for name in job if name not in given)
+        missing = [part for name in job if name not in given for part in (", ", Arg(name))][1:]
         raise ConfigError(
-            f"Multi-process training needs `coordinator` (HOST:PORT), `num_processes` and `process_id` "
-            f"together; missing {missing}. Give all three (or none, to let a SLURM/MPI job set them)."
+            "Multi-process training needs ", Arg("coordinator"), " (HOST:PORT), ", Arg("num_processes"), " and ",
+            Arg("process_id"), " together; missing ", *missing,
+            ". Give all three (or none, to let a SLURM/MPI job set them)."
         )
     if not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}", coordinator):
-        raise ConfigError(f"`coordinator={coordinator}` must be HOST:PORT, e.g. 10.0.0.1:1234.")
+        raise ConfigError(Arg("coordinator", coordinator), " must be HOST:PORT, e.g. 10.0.0.1:1234.")
     check_positive("num_processes", num_processes)
     if not 0 <= process_id < num_processes:
-        raise ConfigError(
-            f"`process_id={process_id}` must be in [0, {num_processes}) for `num_processes={num_processes}`."
-        )
+        raise ConfigError(Arg("process_id", process_id), f" must be in [0, {num_processes}) for ",
+                          Arg("num_processes", num_processes), ".")
     return _initialize(dict(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id),
                        heartbeat_s)
 

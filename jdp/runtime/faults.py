@@ -31,7 +31,7 @@ from typing import Any
 
 import jax
 
-from jdp.errors import ProcessLostError
+from jdp.errors import Arg, Message, ProcessLostError
 from jdp.runtime import inject
 
 EXIT_PROCESS_LOST = 75  # sysexits' EX_TEMPFAIL: nothing wrong with the input, a rerun with --resume goes on
@@ -99,19 +99,19 @@ def lost_processes(before: dict[int, dict[str, Any]], after: dict[int, dict[str,
     return stopped, [p for p in running if after[p]["step"] < top]
 
 
-def stall_cause(waited: float, timeout: float | None, started: bool, limit: float) -> str:
+def stall_cause(waited: float, timeout: float | None, started: bool, limit: float) -> Message:
     """What the watchdog saw: how long no step finished, and which limit that broke."""
     if not started:
         which = f"the start-up limit of {limit:g} s: the first step compiles"
     elif timeout is not None:
-        which = f"`collective_timeout={timeout:g}`"
+        which = Message(Arg("collective_timeout", f"{timeout:g}"))
     else:
-        which = f"the automatic limit of {limit:g} s, see `collective_timeout`"
-    return f"no step finished for {waited:.0f} s ({which})"
+        which = Message(f"the automatic limit of {limit:g} s, see ", Arg("collective_timeout"))
+    return Message(f"no step finished for {waited:.0f} s (", which, ")")
 
 
 def describe_loss(cause: str, lost: tuple[list[int], list[int]], board: dict[int, dict[str, Any]],
-                  process_count: int, step: int, checkpoint: str | None, coordinator: str | None = None) -> str:
+                  process_count: int, step: int, checkpoint: str | None, coordinator: str | None = None) -> Message:
     """The one line: which processes on which hosts, what happened, the step, the last checkpoint and how to go on.
 
     `cause` is e.g. "a collective failed (Connection reset by peer)"; `lost` is `lost_processes`'s
@@ -130,8 +130,9 @@ def describe_loss(cause: str, lost: tuple[list[int], list[int]], board: dict[int
         who = f"a process of {process_count} failed"
     times = ", ".join(f"p{p} {board[p]['step_s']:.2g} s" for p in sorted(board) if board[p].get("step_s") is not None)
     where = f"the last complete checkpoint is {checkpoint}" if checkpoint else "no checkpoint was saved"
-    return (f"{who}: {cause} after step {step}{f' (step times before: {times})' if times else ''}; {where}. "
-            f"Rerun the job with `resume=True` to go on from it; this process ends (exit status {EXIT_PROCESS_LOST}).")
+    return Message(f"{who}: ", cause, f" after step {step}{f' (step times before: {times})' if times else ''}; {where}. "
+                   "Rerun the job with ", Arg("resume", True),
+                   f" to go on from it; this process ends (exit status {EXIT_PROCESS_LOST}).")
 
 
 def _listed(ids: list[int], board: dict[int, dict[str, Any]]) -> str:
@@ -163,8 +164,8 @@ def send_native_logs_to(path: str | os.PathLike) -> None:
     sys.stderr = os.fdopen(terminal, "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")
 
 
-def end_process(line: str) -> None:
-    """Prints "jdp: error: `line`" on stderr and ends this process with EXIT_PROCESS_LOST at once.
+def end_process(line: str | ProcessLostError) -> None:
+    """Prints "jdp: error: `line`" (an error: its message) on stderr and ends this process with EXIT_PROCESS_LOST at once.
 
     `os._exit`: a normal exit would run `jax.distributed.shutdown`, whose barrier waits for the lost
     process until the service aborts.
@@ -214,11 +215,11 @@ class JobWatch:
 
     Args:
       timeout: `collective_timeout` in seconds, or None for the automatic limit (`collective_limit`).
-      on_loss: called with the line (without a "jdp: error: " prefix) when the watchdog gives the job
-        up; it must end the process, whose main thread waits inside a collective (default: `end_process`).
+      on_loss: called with the `ProcessLostError` (its message is the line, without a "jdp: error: " prefix)
+        when the watchdog gives the job up; it must end the process, whose main thread waits inside a collective (default: `end_process`).
     """
 
-    def __init__(self, timeout: float | None = None, on_loss: Callable[[str], None] = end_process) -> None:
+    def __init__(self, timeout: float | None = None, on_loss: Callable[[ProcessLostError], None] = end_process) -> None:
         self.timeout, self.on_loss = timeout, on_loss
         self.process_count = jax.process_count()
         self.process_id = jax.process_index()
@@ -274,7 +275,7 @@ class JobWatch:
         """Stops publishing and watching (the run is over)."""
         self._stop.set()
 
-    def _describe(self, cause: str) -> str:
+    def _describe(self, cause: str) -> Message:
         before = self._board()
         if before is None:  # the coordinator is gone or stopped: nobody can be told apart
             return describe_loss(cause, ([], []), {}, self.process_count, self.step, self.checkpoint,
@@ -312,7 +313,8 @@ class JobWatch:
         while not self._stop.wait(0.25):
             waited = time.monotonic() - self._last_beat
             if waited > self.limit():
-                self.on_loss(self._describe(stall_cause(waited, self.timeout, self._beats > 0, self.limit())))
+                self.on_loss(ProcessLostError(self._describe(stall_cause(waited, self.timeout, self._beats > 0,
+                                                                        self.limit()))))
                 return
 
 

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError
 from jdp.runtime.cluster import format_rate, parse_rate
 
 ENV = "JDP_INJECT"  # the JSON list of the specs a launched process is to make
@@ -69,12 +69,12 @@ def parse(spec: str) -> Fault:
     """
     match = _SPEC.fullmatch(spec.strip())
     if match is None:
-        raise ConfigError(f"`inject={spec}` is not a fault: use {_FORMS}.")
+        raise ConfigError(Arg("inject", spec), f" is not a fault: use {_FORMS}.")
     kind, host, step, value = match.group(1), int(match.group(2)), int(match.group(3)), match.group(4)
     if step < 1:
-        raise ConfigError(f"`inject={spec}`: steps count from 1.")
+        raise ConfigError(Arg("inject", spec), ": steps count from 1.")
     if kind not in _VALUE_OPTIONAL and (kind in _NO_VALUE) != (value is None):
-        raise ConfigError(f"`inject={spec}`: write it as one of {_FORMS}.")
+        raise ConfigError(Arg("inject", spec), f": write it as one of {_FORMS}.")
     if kind == "slow":
         return Fault(kind, host, step, float(parse_rate(value)))
     if value is None:
@@ -84,7 +84,7 @@ def parse(spec: str) -> Fault:
     except ValueError:
         seconds = -1.0
     if not seconds > 0:
-        raise ConfigError(f"`inject={spec}`: SECONDS must be a number above 0, got `{value}`.")
+        raise ConfigError(Arg("inject", spec), f": SECONDS must be a number above 0, got `{value}`.")
     return Fault(kind, host, step, seconds)
 
 
@@ -92,11 +92,11 @@ def check(faults: Sequence[Fault], num_processes: int, on_cluster: bool) -> None
     """Raises ConfigError for a fault on a host the job does not have, or of the network without a cluster."""
     for fault in faults:
         if fault.host >= num_processes:
-            raise ConfigError(f"`inject={fault.spec}` names host {fault.host}, but the job has {num_processes} "
+            raise ConfigError(Arg("inject", fault.spec), f" names host {fault.host}, but the job has {num_processes} "
                               f"(0 to {num_processes - 1}).")
         if fault.kind in _ON_CLUSTER and not on_cluster:
-            raise ConfigError(f"`inject={fault.spec}` breaks a link, which only an emulated cluster has: "
-                              "add `hosts=H` and `nic=RATE`.")
+            raise ConfigError(Arg("inject", fault.spec), " breaks a link, which only an emulated cluster has: add ",
+                              Arg("hosts", "H"), " and ", Arg("nic", "RATE"), ".")
 
 
 def environment(faults: Sequence[Fault]) -> dict[str, str]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
-from jdp.errors import ConfigError, check_positive
+from jdp.errors import Arg, ConfigError, check_positive
 from jdp.runtime import cluster as emulated
 from jdp.runtime import inject
 from jdp.runtime.faults import EXIT_PROCESS_LOST
@@ -131,19 +131,20 @@ def launch(
     check_positive("num_processes", num_processes)
     check_positive("cpu_devices_per_process", job.cpu_devices_per_process)
     if max_restarts < 0:
-        raise ConfigError(f"`max_restarts` must be >= 0, got {max_restarts}.")
+        raise ConfigError(Arg("max_restarts"), f" must be >= 0, got {max_restarts}.")
     clash = [flag for flag in JOB_FLAGS if _has(command, flag)]
     if clash:
         raise ConfigError(f"The launched command must not set {', '.join(f'`{f}`' for f in clash)}: "
                           "`jdp launch` appends them for each process. Remove them.")
     if max_restarts and not _has(command, "--checkpoint-dir"):
-        raise ConfigError(f"`max_restarts={max_restarts}` restarts the job from its newest checkpoint: the command "
-                          "needs `--checkpoint-dir DIR` (and `--checkpoint-every STEPS` to lose no more than that).")
+        raise ConfigError(Arg("max_restarts", max_restarts), " restarts the job from its newest checkpoint: the "
+                          "command needs `--checkpoint-dir DIR` (and `--checkpoint-every STEPS` to lose no more than "
+                          "that).")
     inject.check(job.faults, num_processes, cluster is not None)
     _check_min_hosts(job.min_hosts, cluster, max_restarts)
     if cluster is not None and len(cluster.hosts) != num_processes:
-        raise ConfigError(f"`num_processes={num_processes}` must equal the emulated cluster's "
-                          f"`hosts={len(cluster.hosts)}`: one process per host.")
+        raise ConfigError(Arg("num_processes", num_processes), " must equal the emulated cluster's ",
+                          Arg("hosts", len(cluster.hosts)), ": one process per host.")
     output = _Output(stdout or sys.stdout, stderr or sys.stderr, threading.Lock())
     on_main_thread = threading.current_thread() is threading.main_thread()
     if on_main_thread:  # SIGTERM to the launcher stops the job (and removes the cluster): `finally` blocks run
@@ -246,11 +247,14 @@ def _check_min_hosts(min_hosts: int | None, cluster: emulated.Plan | None, max_r
     if min_hosts is None:
         return
     if cluster is None:
-        raise ConfigError(f"`min_hosts={min_hosts}` leaves out hosts of an emulated cluster: add `hosts=H`.")
+        raise ConfigError(Arg("min_hosts", min_hosts), " leaves out hosts of an emulated cluster: add ",
+                          Arg("hosts", "H"), ".")
     if not 1 <= min_hosts <= len(cluster.hosts):
-        raise ConfigError(f"`min_hosts={min_hosts}` must be between 1 and the cluster's {len(cluster.hosts)} hosts.")
+        raise ConfigError(Arg("min_hosts", min_hosts), f" must be between 1 and the cluster's {len(cluster.hosts)} "
+                          "hosts.")
     if max_restarts == 0:
-        raise ConfigError(f"`min_hosts={min_hosts}` applies when the job restarts: add `max_restarts=N`.")
+        raise ConfigError(Arg("min_hosts", min_hosts), " applies when the job restarts: add ",
+                          Arg("max_restarts", "N"), ".")
 
 
 def _how_to_go_on(job: Job) -> str:

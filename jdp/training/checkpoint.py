@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jdp.errors import ConfigError, DataError, check_positive
+from jdp.errors import Arg, ConfigError, DataError, check_positive
 from jdp.types import PyTree
 
 KEEP = 2  # checkpoints kept: the newest and, should it be damaged later, the one before
@@ -70,13 +70,13 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     if not directory.exists():
         return []
     if not directory.is_dir():
-        raise ConfigError(f"`checkpoint_dir={directory}` is a file, not a directory; pass a directory.")
+        raise ConfigError(Arg("checkpoint_dir", directory), " is a file, not a directory; pass a directory.")
     names = [p.name for p in directory.iterdir() if not p.name.startswith(_TMP_PREFIX)]
     foreign = sorted(n for n in names if not _NAME.fullmatch(n) or (directory / n).is_dir())
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise ConfigError(
-            f"`checkpoint_dir={directory}` holds files that are not jdp checkpoints ({shown}); jdp writes "
+            Arg("checkpoint_dir", directory), f" holds files that are not jdp checkpoints ({shown}); jdp writes "
             "only into a new or empty directory or one of its own checkpoint directories. Pass another directory."
         )
     return sorted((directory / n for n in names if (directory / n).is_file()), key=lambda p: p.name, reverse=True)
@@ -120,8 +120,8 @@ def check_options(directory: str | os.PathLike | None, every: int | None, resume
         if every is not None:
             check_positive("checkpoint_every", every, "number of steps")
         if resume or every is not None:
-            name = "resume=True" if resume else "checkpoint_every"
-            raise ConfigError(f"`{name}` needs `checkpoint_dir=DIR`: say where the checkpoints are.")
+            arg = Arg("resume", True) if resume else Arg("checkpoint_every")
+            raise ConfigError(arg, " needs ", Arg("checkpoint_dir", "DIR"), ": say where the checkpoints are.")
         return None
     checkpoints = Checkpoints(directory, every, resume)
     check_directory(directory, resume=resume)
@@ -138,8 +138,8 @@ def check_directory(directory: str | os.PathLike, *, resume: bool) -> None:
     existing = list_checkpoints(directory)
     if existing and not resume:
         raise ConfigError(
-            f"`checkpoint_dir={directory}` already holds checkpoints (newest: {existing[0].name}); "
-            "pass `resume=True` to continue that run, or pass a new directory."
+            Arg("checkpoint_dir", directory), f" already holds checkpoints (newest: {existing[0].name}); pass ",
+            Arg("resume", True), " to continue that run, or pass a new directory."
         )
 
 
@@ -264,13 +264,14 @@ def _check_fits(path: Path, saved: PyTree, target: PyTree) -> None:
         differ = sorted(have.keys() ^ want.keys())
         raise ConfigError(
             f"{path} holds other arrays than this run's model and optimizer ({', '.join(differ[:4])} differ): "
-            "it belongs to another model. Pass a new `checkpoint_dir`."
+            "it belongs to another model. Pass a new ", Arg("checkpoint_dir"), "."
         )
     for key, got in have.items():
         if got.shape != want[key].shape or got.dtype != want[key].dtype:
             raise ConfigError(
                 f"{path} holds `{key}` as {got.dtype}{list(got.shape)} but this run's model has "
-                f"{want[key].dtype}{list(want[key].shape)}: it belongs to another model. Pass a new `checkpoint_dir`."
+                f"{want[key].dtype}{list(want[key].shape)}: it belongs to another model. Pass a new ",
+                Arg("checkpoint_dir"), "."
             )
 
 
@@ -296,7 +297,7 @@ def restore_latest(directory: str | os.PathLike, target: PyTree,
         return found
     if problems:
         raise DataError(
-            f"No intact checkpoint in `checkpoint_dir={directory}`: {' '.join(problems)} "
+            "No intact checkpoint in ", Arg("checkpoint_dir", directory), f": {' '.join(problems)} "
             "Remove the damaged files or pass a new directory."
         )
     return None

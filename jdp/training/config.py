@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 
 from jdp import models
-from jdp.errors import ConfigError, check_positive
+from jdp.errors import Arg, ConfigError, check_positive
 from jdp.models import Model, precision
 from jdp.parallel import allreduce as allreduce_lib
 from jdp.parallel import compress as compress_lib
@@ -70,47 +70,50 @@ class TrainConfig:
     def __post_init__(self, model_impl: str | None) -> None:
         if model_impl is not None:
             if self.formulation not in ("fast", model_impl):
-                raise ConfigError(f"`model_impl={model_impl}` is the earlier name of `formulation`, which is "
-                                  f"`{self.formulation}`; pass `formulation` alone.")
+                raise ConfigError(Arg("model_impl", model_impl), " is the earlier name of ", Arg("formulation"),
+                                  f", which is `{self.formulation}`; pass ", Arg("formulation"), " alone.")
             object.__setattr__(self, "formulation", model_impl)
         formulation.check(self.formulation)
         for name in ("batch_size", "epochs", "accumulate"):
             check_positive(name, getattr(self, name))
         if self.steps_per_call != AUTO:
             if not isinstance(self.steps_per_call, int):
-                raise ConfigError(f"`steps_per_call` must be a positive integer or `{AUTO}`, "
+                raise ConfigError(Arg("steps_per_call"), f" must be a positive integer or `{AUTO}`, "
                                   f"got `{self.steps_per_call}`.")
             check_positive("steps_per_call", self.steps_per_call)
         if self.warmup_steps < 0:
-            raise ConfigError(f"`warmup_steps` must be >= 0, got {self.warmup_steps}.")
+            raise ConfigError(Arg("warmup_steps"), f" must be >= 0, got {self.warmup_steps}.")
         if not self.lr > 0:
-            raise ConfigError(f"`lr` must be positive, got {self.lr}.")
+            raise ConfigError(Arg("lr"), f" must be positive, got {self.lr}.")
         if self.eval_on not in EVAL_ON:
-            raise ConfigError(f"`eval_on` must be one of {', '.join(EVAL_ON)}, got `{self.eval_on}`.")
+            raise ConfigError(Arg("eval_on"), f" must be one of {', '.join(EVAL_ON)}, got `{self.eval_on}`.")
         check_backend(self.backend)
         object.__setattr__(self, "_components", _build(self))  # the only time they are built
         model, sync = self.build_model(), self.build_sync()
         if model.per_replica_state and self.backend != "pmap":
             raise ConfigError(
-                "`batchnorm=per-replica` keeps different statistics on each device, which `backend=shard_map` "
-                "cannot hold in its replicated `P()` layout. Use `backend=pmap` or `batchnorm=sync`."
+                Arg("batchnorm", "per-replica"), " keeps different statistics on each device, which ",
+                Arg("backend", "shard_map"), " cannot hold in its replicated `P()` layout. Use ",
+                Arg("backend", "pmap"), " or ", Arg("batchnorm", "sync"), "."
             )
         if self.shard_optimizer and self.fuse:
-            raise ConfigError("`shard_optimizer=True` already ravels the gradients into one buffer per dtype; "
-                              "drop `fuse`/`bucket_mb`.")
+            raise ConfigError(Arg("shard_optimizer", True), " already ravels the gradients into one buffer per dtype; "
+                              "drop ", Arg("fuse"), "/", Arg("bucket_mb"), ".")
         check_strategy(self.strategy(), [], self.backend, self.shard_optimizer)
         if sync.local:
             refused = {"shard_optimizer": ((False,), "keeps one slice of identical params per device"),
                        "steps_per_call": ((1, AUTO), "runs several steps in one call, with no sync between them")}
             for name, (fine, why) in refused.items():
                 if getattr(self, name) not in fine:
-                    raise ConfigError(f"`{name}={getattr(self, name)}` {why}; `sync={sync.name}` keeps different "
-                                      f"params on each device between syncs. Drop `{name}` or use `sync=every-step`.")
+                    raise ConfigError(Arg(name, getattr(self, name)), f" {why}; ", Arg("sync", sync.name),
+                                      " keeps different params on each device between syncs. Drop ", Arg(name),
+                                      " or use ", Arg("sync", "every-step"), ".")
             sync.reducer(self.strategy())  # refuses a strategy this sync cannot sum with
             if model.stateful:
-                raise ConfigError(f"`sync={sync.name}` averages params only; `model={_name(self.model)}` carries state "
-                                  "besides them (BatchNorm statistics, an adapted model's dropout key), which a local "
-                                  "mode does not sync yet. Use `sync=every-step`, or a model without state.")
+                raise ConfigError(Arg("sync", sync.name), " averages params only; ", Arg("model", _name(self.model)),
+                                  " carries state besides them (BatchNorm statistics, an adapted model's dropout key), "
+                                  "which a local mode does not sync yet. Use ", Arg("sync", "every-step"),
+                                  ", or a model without state.")
 
     def build_optimizer(self) -> "optax.GradientTransformation":
         """The optax optimizer of `optimizer`, `momentum`, `weight_decay`, on the lr schedule; or `optimizer`
@@ -144,11 +147,12 @@ class TrainConfig:
         check_divisible(self.batch_size, device_count)
         if self.batch_size % (device_count * self.accumulate):
             raise ConfigError(
-                f"`batch_size={self.batch_size}` does not split into {device_count} devices × `accumulate="
-                f"{self.accumulate}` equal micro-batches; use a multiple of {device_count * self.accumulate}."
+                Arg("batch_size", self.batch_size), f" does not split into {device_count} devices × ",
+                Arg("accumulate", self.accumulate),
+                f" equal micro-batches; use a multiple of {device_count * self.accumulate}."
             )
         if self.batch_size > train_images:
-            raise ConfigError(f"`batch_size={self.batch_size}` exceeds the {train_images} training images.")
+            raise ConfigError(Arg("batch_size", self.batch_size), f" exceeds the {train_images} training images.")
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as JSON values: a `Model`, `Allreduce` or `Sync` object is recorded by its name, an
@@ -170,7 +174,7 @@ class Components(NamedTuple):
 def _build(config: TrainConfig) -> Components:
     """Builds `config`'s components from their settings (names are looked up in their registries)."""
     if isinstance(config.model, Model) and config.batchnorm is not None:
-        raise ConfigError("`batchnorm` selects a built-in model's BatchNorm; your own `Model` defines its own.")
+        raise ConfigError(Arg("batchnorm"), " selects a built-in model's BatchNorm; your own `Model` defines its own.")
     impl = formulation.DEFAULT if config.formulation == formulation.AUTO else config.formulation
     model = precision.mixed(models.get(config.model, impl=impl, batchnorm=config.batchnorm), config.precision)
     if isinstance(config.optimizer, str):

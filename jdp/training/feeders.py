@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from jdp.data import Split
-from jdp.errors import ConfigError, check_positive
+from jdp.errors import Arg, ConfigError, check_positive
 from jdp.parallel.inflight import InFlight
 from jdp.parallel.layout import (
     Backend,
@@ -155,7 +155,7 @@ def make_epoch_runner(step: TrainStep, split: Split, devices: Sequence[jax.Devic
     traceable, resident = plan.traceable, plan.resident
     single_pmap = _single_pmap(backend)
     if resident and not single_pmap:
-        raise ConfigError("Data resident on the devices needs `backend=pmap` in a single process.")
+        raise ConfigError("Data resident on the devices needs ", Arg("backend", "pmap"), " in a single process.")
     steps = len(split.labels) // batch_size
 
     def calls(start: int, steps_per_call: int | None) -> tuple[int, list[int]]:
@@ -181,13 +181,15 @@ def _checked_steps_per_call(steps_per_call: int, traceable: bool, backend: Backe
     check_positive("steps_per_call", steps_per_call)
     if steps_per_call > 1 and not traceable:
         raise ConfigError(
-            f"`steps_per_call={steps_per_call}` runs several steps in one compiled call, which needs a "
-            "collective allreduce strategy (traceable inside `jax.jit`). Use `steps_per_call=1` or `allreduce=psum`."
+            Arg("steps_per_call", steps_per_call), " runs several steps in one compiled call, which needs a collective "
+            "allreduce strategy (traceable inside `jax.jit`). Use ", Arg("steps_per_call", 1), " or ",
+            Arg("allreduce", "psum"), "."
         )
     if steps_per_call > 1 and not several_steps_per_call(traceable, backend):
         raise ConfigError(
-            f"`steps_per_call={steps_per_call}` is implemented for `backend=pmap` in a single process; "
-            "use `steps_per_call=1` with `backend=shard_map` or several processes."
+            Arg("steps_per_call", steps_per_call), " is implemented for ", Arg("backend", "pmap"),
+            " in a single process; use ", Arg("steps_per_call", 1), " with ", Arg("backend", "shard_map"),
+            " or several processes."
         )
     return steps_per_call
 

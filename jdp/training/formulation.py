@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from jdp.errors import ConfigError, DataError
+from jdp.errors import Arg, ConfigError, DataError
 from jdp.models.lenet_fast import FORMULATIONS
 from jdp.runtime import measurements
 from jdp.runtime.machine_kind import MachineKind, best_match, this_kind
@@ -78,7 +78,7 @@ class Choice(NamedTuple):
 def check(name: str) -> None:
     """Raises ConfigError unless `name` is `auto` or a formulation jdp trains."""
     if name != AUTO and name not in FORMULATIONS:
-        raise ConfigError(f"`formulation` must be {AUTO} or one of {', '.join(FORMULATIONS)}, got `{name}`.")
+        raise ConfigError(Arg("formulation"), f" must be {AUTO} or one of {', '.join(FORMULATIONS)}, got `{name}`.")
 
 
 def choose(kind: MachineKind, devices: int, table: Sequence[Entry]) -> Entry | None:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdp.errors import ConfigError, TrainingError, check_positive
+from jdp.errors import Arg, ConfigError, Message, ProcessLostError, TrainingError, check_positive
 from jdp.runtime import faults
 from jdp.training.tally import Tally, read_local
 from jdp.types import PyTree
@@ -37,19 +37,20 @@ class Guards:
       check_replicas: every this many steps, stop unless all replicas are bit-identical; None: never.
       collective_timeout: with several processes, give the job up when no step finished for this
         many seconds (None: automatic, see `jdp.runtime.faults.collective_limit`).
-      on_lost: with several processes, called with the line naming a stalled process; it must end
-        this process, whose main thread waits inside a collective (default: print it, exit 75).
+      on_lost: with several processes, called with the `ProcessLostError` whose message is the line naming
+        a stalled process; it must end this process, whose main thread waits inside a collective (default:
+        print it, exit 75).
     """
 
     check_replicas: int | None = None
     collective_timeout: float | None = None
-    on_lost: Callable[[str], None] = faults.end_process
+    on_lost: Callable[[ProcessLostError], None] = faults.end_process
 
     def __post_init__(self) -> None:
         if self.check_replicas is not None:
             check_positive("check_replicas", self.check_replicas, "number of steps")
         if self.collective_timeout is not None and not self.collective_timeout > 0:
-            raise ConfigError(f"`collective_timeout` must be a positive number of seconds, got "
+            raise ConfigError(Arg("collective_timeout"), " must be a positive number of seconds, got "
                               f"{self.collective_timeout}.")
 
 
@@ -97,12 +98,13 @@ def _made_non_finite(names: Sequence[str], finite: Sequence[bool]) -> str:
 
 def _stopped(first: int, last: int, what: str, last_good: Path | None, span: str = "one compiled call"
              ) -> TrainingError:
-    where = (f"The last good checkpoint (all values finite) is {last_good}: lower `lr` and rerun, "
-             "or continue from it with `resume=True`."
+    where = (Message(f"The last good checkpoint (all values finite) is {last_good}: lower ", Arg("lr"),
+                     " and rerun, or continue from it with ", Arg("resume", True), ".")
              if last_good is not None else
-             "No checkpoint was saved before it: lower `lr` and rerun (with `checkpoint_dir` to keep some).")
+             Message("No checkpoint was saved before it: lower ", Arg("lr"), " and rerun (with ", Arg("checkpoint_dir"),
+                     " to keep some)."))
     at = f"step {last}" if first == last else f"steps {first}–{last} ({span})"
-    return TrainingError(f"Stopped at {at}: {what}. {where}")
+    return TrainingError(f"Stopped at {at}: {what}. ", where)
 
 
 def check_replicas(tree: PyTree, step: int) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 import jax
 import numpy as np
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError
 from jdp.training.config import TrainConfig
 from jdp.training.feeders import AUTO
 from jdp.training.keeper import Keeper
@@ -56,8 +56,8 @@ class Hooks:
         if self.stopwatch is not None:
             self.stopwatch.straggler.check(jax.process_count())
             if config.steps_per_call not in (1, AUTO):
-                raise ConfigError(f"`steps_per_call={config.steps_per_call}` runs several steps in one call; a "
-                                  "simulated straggler delays and times each step: use `steps_per_call=1`.")
+                raise ConfigError(Arg("steps_per_call", config.steps_per_call), " runs several steps in one call; a "
+                                  "simulated straggler delays and times each step: use ", Arg("steps_per_call", 1), ".")
 
     def after_call(self, keeper: Keeper) -> Callable[[int, tuple], None]:
         """What runs after each compiled call: the keeper's guards and checkpoints, then the profile's marks."""

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError
 from jdp.runtime.faults import JobWatch
 from jdp.training import tally
 from jdp.training.checkpoint import Checkpoints, path_for, restore_latest, save
@@ -77,8 +77,8 @@ class Keeper:
         self.job.step, self.job.checkpoint = self.step, str(found.path)
         if epochs < self.epoch - (self.batches_done == 0):
             raise ConfigError(
-                f"`epochs={epochs}` ends before {found.path} (step {self.step}, epoch {self.epoch}): "
-                f"pass `epochs={self.epoch - (self.batches_done == 0)}` or more."
+                Arg("epochs", epochs), f" ends before {found.path} (step {self.step}, epoch {self.epoch}): pass ",
+                Arg("epochs", self.epoch - (self.batches_done == 0)), " or more."
             )
         for note in notes:
             log.info(note)

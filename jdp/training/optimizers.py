@@ -8,7 +8,7 @@ state), which is what lets `shard_optimizer=True` update each device's slice of 
 
 from typing import TYPE_CHECKING
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError
 
 if TYPE_CHECKING:
     import optax
@@ -39,14 +39,14 @@ def make(
       ConfigError: for an unknown name, `momentum` given to another optimizer, or a value out of range.
     """
     if name not in OPTIMIZERS:
-        raise ConfigError(f"Unknown `optimizer={name}`; choose one of: {', '.join(OPTIMIZERS)}.")
+        raise ConfigError("Unknown ", Arg("optimizer", name), f"; choose one of: {', '.join(OPTIMIZERS)}.")
     if momentum is not None and name != "momentum":
-        raise ConfigError(f"`momentum` applies to `optimizer=momentum`, not `{name}`; drop it or pass "
-                          "`optimizer=momentum`.")
+        raise ConfigError(Arg("momentum"), " applies to ", Arg("optimizer", "momentum"),
+                          f", not `{name}`; drop it or pass ", Arg("optimizer", "momentum"), ".")
     if momentum is not None and not 0 <= momentum < 1:
-        raise ConfigError(f"`momentum` must be in [0, 1), got {momentum}.")
+        raise ConfigError(Arg("momentum"), f" must be in [0, 1), got {momentum}.")
     if weight_decay is not None and not weight_decay >= 0:
-        raise ConfigError(f"`weight_decay` must be >= 0, got {weight_decay}.")
+        raise ConfigError(Arg("weight_decay"), f" must be >= 0, got {weight_decay}.")
     import optax  # here, not at the top: `import optax` costs a tenth of `import jax`
 
     if name == "adamw":
@@ -70,13 +70,13 @@ def check_own(optimizer: object, *, momentum: float | None, weight_decay: float 
         (they configure the built-in optimizers; an optax optimizer brings its own, and its own lr).
     """
     if isinstance(optimizer, str) or not all(callable(getattr(optimizer, f, None)) for f in ("init", "update")):
-        raise ConfigError(f"`optimizer` takes a name ({', '.join(OPTIMIZERS)}) or an optax optimizer (with `init` "
-                          f"and `update`), got {type(optimizer).__name__}.")
+        raise ConfigError(Arg("optimizer"), f" takes a name ({', '.join(OPTIMIZERS)}) or an optax optimizer "
+                          f"(with `init` and `update`), got {type(optimizer).__name__}.")
     given = {"momentum": momentum, "weight_decay": weight_decay, "warmup_steps": warmup_steps or None}
     for name, value in given.items():
         if value is not None:
-            raise ConfigError(f"`{name}={value}` configures a built-in optimizer; your optax optimizer brings its "
-                              f"own (e.g. `optax.chain(optax.add_decayed_weights(wd), optax.sgd(schedule, momentum))`)"
-                              f". Drop `{name}`.")
+            raise ConfigError(Arg(name, value), " configures a built-in optimizer; your optax optimizer brings its "
+                              "own (e.g. `optax.chain(optax.add_decayed_weights(wd), optax.sgd(schedule, momentum))`)"
+                              ". Drop ", Arg(name), ".")
     return optimizer
 

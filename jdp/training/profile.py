@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError
 from jdp.parallel.strategy import Allreduce
 from jdp.types import PyTree
 
@@ -75,7 +75,8 @@ def parse_steps(text: str) -> tuple[int, int]:
     """
     match = re.fullmatch(r"(\d+):(\d+)", text)
     if not match or not 1 <= int(match[1]) <= int(match[2]):
-        raise ConfigError(f"`profile_steps={text}` must be A:B with 1 <= A <= B, e.g. `profile_steps=5:14`.")
+        raise ConfigError(Arg("profile_steps", text), " must be A:B with 1 <= A <= B, e.g. ",
+                          Arg("profile_steps", "5:14"), ".")
     return int(match[1]), int(match[2])
 
 
@@ -203,7 +204,7 @@ class Profiler:
 def check_window(first: int, last: int, total_steps: int) -> None:
     """Raises ConfigError unless steps `first`..`last` fall within a run of `total_steps` steps."""
     if last > total_steps:
-        raise ConfigError(f"`profile_steps={first}:{last}` goes past the run's {total_steps} steps; "
+        raise ConfigError(Arg("profile_steps", f"{first}:{last}"), f" goes past the run's {total_steps} steps; "
                           f"choose B <= {total_steps}.")
 
 

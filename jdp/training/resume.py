@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError
 
 # What a resumed run must share with the checkpoint: the data order is a permutation per epoch drawn
 # from the seed, walked in batches of batch_size, so `position` means nothing under other values.
@@ -74,36 +74,34 @@ def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
     for name in SAME_STATE:
         if old[name] != new[name]:
             raise ConfigError(
-                f"This run has {_shown(name, new[name])} but the checkpoint has {_shown(name, old[name])}: their "
-                "optimizer states hold other arrays. Resume with the checkpoint's setting, or pass a new "
-                "`checkpoint_dir`."
+                "This run has ", _shown(name, new[name]), " but the checkpoint has ", _shown(name, old[name]),
+                ": their optimizer states hold other arrays. Resume with the checkpoint's setting, or pass a new ",
+                Arg("checkpoint_dir"), "."
             )
     had = saved.get("per_device_state", old.get("compress") == "powersgd")  # checkpoints from before the field
     has = current.get("per_device_state", False)
     if had != has:
         raise ConfigError(
-            f"This run's allreduce ({_strategy(new)}) {'keeps' if has else 'keeps no'} state per device, the "
-            f"checkpoint's ({_strategy(old)}) {'does' if had else 'does not'}: their optimizer states hold other "
-            "arrays. Resume with the checkpoint's setting, or pass a new `checkpoint_dir`."
+            "This run's allreduce (", _strategy(new), f") {'keeps' if has else 'keeps no'} state per device, the "
+            "checkpoint's (", _strategy(old), f") {'does' if had else 'does not'}: their optimizer states hold other "
+            "arrays. Resume with the checkpoint's setting, or pass a new ", Arg("checkpoint_dir"), "."
         )
     if has and saved["devices"] != current["devices"]:
         raise ConfigError(
-            f"The checkpoint holds {_strategy(old)}'s state for each of {saved['devices']} devices; this run has "
-            f"{current['devices']}. Resume on {saved['devices']} devices, or pass a new `checkpoint_dir`."
+            "The checkpoint holds ", _strategy(old), f"'s state for each of {saved['devices']} devices; this run has "
+            f"{current['devices']}. Resume on {saved['devices']} devices, or pass a new ", Arg("checkpoint_dir"), "."
         )
 
 
-def _strategy(config: dict[str, Any]) -> str:
+def _strategy(config: dict[str, Any]) -> Arg:
     if config.get("sync", "every-step") != "every-step":
-        return f"`sync={config['sync']}`"
+        return Arg("sync", config["sync"])
     compress = config.get("compress", "none")
-    return f"`compress={compress}`" if compress != "none" else f"`allreduce={config.get('allreduce')}`"
+    return Arg("compress", compress) if compress != "none" else Arg("allreduce", config.get("allreduce"))
 
 
-def _shown(name: str, value: Any) -> str:
-    if name == "shard_optimizer":
-        return f"`shard_optimizer={bool(value)}`"
-    return f"`{name}={value}`"
+def _shown(name: str, value: Any) -> Arg:
+    return Arg(name, bool(value) if name == "shard_optimizer" else value)
 
 
 def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -132,15 +130,15 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
         raise ConfigError(
             f"The checkpoint was written for another dataset ({have['train']} training images, sha256 "
             f"{have['sha256'][:12]}…) than this run's ({want['train']}, {want['sha256'][:12]}…). Resume with the "
-            "same `--dataset`, `--data-dir` and `--seed`, or pass a new `checkpoint_dir`."
+            "same `--dataset`, `--data-dir` and `--seed`, or pass a new ", Arg("checkpoint_dir"), "."
         )
     old, new = settings(saved["config"]), settings(current["config"])
     for name in MUST_MATCH:
         if old.get(name) != new.get(name):
             raise ConfigError(
-                f"`{name}={new.get(name)}` differs from the checkpoint's {old.get(name)}: the "
-                "data order to resume is defined by the batch size and seed. Resume with the checkpoint's value, "
-                "or pass a new `checkpoint_dir`."
+                Arg(name, new.get(name)), f" differs from the checkpoint's {old.get(name)}: the data order to resume "
+                "is defined by the batch size and seed. Resume with the checkpoint's value, or pass a new ",
+                Arg("checkpoint_dir"), "."
             )
     notes = [
         f"resuming with `--{name.replace('_', '-')} {new.get(name)}` instead of the checkpoint's {old.get(name)}: "

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError
 from jdp.parallel.layout import per_process
 
 _SPEC = re.compile(r"(\d+):(\d+(?:\.\d*)?|\.\d+)(?::(\d+))?")
@@ -40,15 +40,16 @@ class Straggler:
         """
         match = _SPEC.fullmatch(text)
         if match is None or (match[3] is not None and int(match[3]) < 1):
-            raise ConfigError(f"`simulate_straggler={text}` is not PROCESS:SECONDS[:EVERY] (e.g. 1:0.05 or 1:0.5:16, "
-                              "EVERY at least 1).")
+            raise ConfigError(Arg("simulate_straggler", text), " is not PROCESS:SECONDS[:EVERY] (e.g. 1:0.05 or "
+                              "1:0.5:16, EVERY at least 1).")
         return cls(int(match[1]), float(match[2]), int(match[3] or 1))
 
     def check(self, process_count: int) -> None:
         """Raises ConfigError unless `process` is a process of the job."""
         if self.process >= process_count:
-            raise ConfigError(f"`simulate_straggler={self.process}:{self.seconds}:{self.every}` delays process "
-                              f"{self.process}, but the job has {process_count} process(es), 0 to {process_count - 1}.")
+            raise ConfigError(Arg("simulate_straggler", f"{self.process}:{self.seconds}:{self.every}"),
+                              f" delays process {self.process}, but the job has {process_count} process(es), "
+                              f"0 to {process_count - 1}.")
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jdp.errors import ConfigError
+from jdp.errors import Arg, ConfigError
 
 LearningRate = float | Callable[[int], Any]  # a constant, or an optax schedule of the update count
 
@@ -48,7 +48,7 @@ class TensorBoardWriter:
         try:
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
         except ImportError:
-            raise ConfigError(f"`tensorboard={directory}` needs the 'tensorboard' package (no TensorFlow): "
+            raise ConfigError(Arg("tensorboard", directory), " needs the 'tensorboard' package (no TensorFlow): "
                               "pip install 'jdp[tensorboard]'.") from None
         Path(directory).mkdir(parents=True, exist_ok=True)
         self._writer = EventFileWriter(str(directory))
