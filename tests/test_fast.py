@@ -102,6 +102,22 @@ def test_fused_first_layer_equals_conv_bias_relu_pool_with_all_gradients():
         np.testing.assert_allclose(g, v, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+def test_fused_first_layer_computes_in_float32_under_bf16():
+    """bfloat16 inputs: the float32 loop's result rounded once, values and gradients (CPUs have no bf16 arithmetic)."""
+    keys = jax.random.split(jax.random.key(6), 3)
+    x, w, b = (jax.random.normal(k, shape).astype(jnp.bfloat16) for k, shape in zip(keys, [(4, 10, 10, 1), (3, 3, 1, 6), (6,)]))
+    f32 = [a.astype(jnp.float32) for a in (x, w, b)]
+    layer = lenet_fast.one_channel_conv_relu_pool
+    np.testing.assert_array_equal(layer(x, w, b), layer(*f32).astype(jnp.bfloat16))
+    assert not np.array_equal(layer(x, w, b, compute_dtype=None), layer(x, w, b))  # bfloat16 sums round apart
+    loss = lambda x, w, b: jnp.sum(jnp.sin(3 * layer(x, w, b).astype(jnp.float32)))
+    got = jax.grad(loss, (1, 2))(x, w, b)
+    want = jax.grad(lambda w, b: jnp.sum(jnp.sin(3 * layer(f32[0], w, b).astype(jnp.bfloat16).astype(jnp.float32))), (0, 1))(*f32[1:])
+    assert all(g.dtype == jnp.bfloat16 for g in got)
+    for g, v in zip(got, want):
+        np.testing.assert_allclose(g.astype(jnp.float32), v, rtol=1e-2, atol=1e-2 * float(jnp.abs(v).max()))
+
+
 def test_fused_first_layer_refuses_several_input_channels():
     with pytest.raises(ValueError, match="1 input channel"):
         lenet_fast.one_channel_conv_relu_pool(jnp.ones((1, 6, 6, 2)), jnp.ones((3, 3, 2, 4)), jnp.ones(4))

@@ -20,8 +20,9 @@ alternatives kept here so their cost can be re-measured on new hardware or a new
   XLA's CPU thread pool, without devices);
 * conv2's gradients in bfloat16 as forward convolutions (XLA's CPU compiler runs one of its own
   transposes in float32 there);
-* bfloat16: the whole model cast (`--precision bf16`), or only the conv and matmul operands with
-  float32 accumulation and float32 elementwise work.
+* bfloat16: the whole model cast (`--precision bf16`, conv1's fused layer kept in float32), that with
+  conv1's layer in bfloat16 too, or only the conv and matmul operands with float32 accumulation and
+  float32 elementwise work.
 """
 
 import argparse
@@ -46,6 +47,7 @@ from jdp.models.lenet_fast import (
     conv_relu_pool,
     conv_with_matmul_gradients,
     make_apply,
+    one_channel_conv_relu_pool,
     patches,
 )
 from jdp.parallel.inflight import repeat_step
@@ -127,7 +129,9 @@ FORMULATIONS: dict[str, tuple[str, Apply]] = {
     "conv2-nchw": ("fast, conv2 in the lesson's NCHW/OIHW layout", make_apply(conv2=_conv_nchw)),
     "split-2": ("fast, the batch as 2 independent chunks in one step", lenet_fast.FORMULATIONS["split-2"]),
     "split-4": ("fast, the batch as 4 independent chunks in one step", lenet_fast.FORMULATIONS["split-4"]),
-    "bf16": ("fast, cast to bfloat16 whole (`--precision bf16`)", _bf16(lenet_fast.apply)),
+    "bf16": ("fast under `--precision bf16`: bfloat16, conv1's fused layer computed in float32", _bf16(lenet_fast.apply)),
+    "bf16-conv1-bf16": ("bf16, conv1's fused layer in bfloat16 too (`bf16` before 2026-12-07)",
+                        _bf16(make_apply(layer1=functools.partial(one_channel_conv_relu_pool, compute_dtype=None)))),
     "bf16-conv2-forward-grads": ("bf16, conv2's gradients as forward convolutions, all in bfloat16 (not XLA's)",
                                  _bf16(make_apply(conv2=conv_low_precision_forward_gradients))),
     "bf16-operands": ("fast, bfloat16 conv/matmul operands only, float32 accumulation and elementwise",

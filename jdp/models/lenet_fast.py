@@ -15,7 +15,8 @@ the figures are in docs/performance.md):
 * conv1 → bias → ReLU → pool as one elementwise loop (`one_channel_conv_relu_pool`): with one
   input channel a convolution is 9 multiply-adds per output, which XLA fuses with the rest when
   written per pooling phase, where XLA's CPU convolution and its 1-channel weight gradient run as
-  separate, slower ops. The backward gets conv1's weight and bias gradients from one matmul. The layer's
+  separate, slower ops. The backward gets conv1's weight and bias gradients from one matmul. The loop
+  runs in float32 under `--precision bf16` too: CPUs do no bfloat16 elementwise arithmetic. The layer's
   output is stored behind an optimisation barrier: otherwise XLA also fuses the loop into the
   transpose that conv2's weight gradient reads, and runs it a second time there.
 * Pooling as a sum of four strided slices, which XLA fuses with the ReLU, instead of
@@ -159,15 +160,7 @@ def _one_channel_conv_relu_pool(x: jax.Array, w_hwio: jax.Array, b: jax.Array) -
 
 
 @jax.custom_vjp
-def one_channel_conv_relu_pool(x: jax.Array, w_hwio: jax.Array, b: jax.Array) -> jax.Array:
-    """conv → bias → ReLU → 2×2 average pool for a 1-channel NHWC input, as one elementwise loop.
-
-    With one input channel a convolution is kh·kw multiply-adds per output: written out per
-    pooling phase, XLA fuses conv, bias, ReLU and pool into one loop that never stores the
-    unpooled activations. The backward recomputes the four phases' ReLU masks and gets the weight
-    and bias gradients from one matmul: [patches | 1]ᵀ (kh·kw+1 × N·H·W) by the masked output
-    gradient (N·H·W × O), accumulated in float32 whatever the input dtype.
-    """
+def _one_channel_layer(x: jax.Array, w_hwio: jax.Array, b: jax.Array) -> jax.Array:
     return _one_channel_conv_relu_pool(x, w_hwio, b)
 
 
@@ -187,7 +180,26 @@ def _one_channel_bwd(residuals, dy):
     return dx, dwb[:-1].reshape(w_hwio.shape).astype(w_hwio.dtype), dwb[-1].astype(b.dtype)
 
 
-one_channel_conv_relu_pool.defvjp(_one_channel_fwd, _one_channel_bwd)
+_one_channel_layer.defvjp(_one_channel_fwd, _one_channel_bwd)
+
+
+def one_channel_conv_relu_pool(x: jax.Array, w_hwio: jax.Array, b: jax.Array,
+                               compute_dtype: jnp.dtype | None = jnp.float32) -> jax.Array:
+    """conv → bias → ReLU → 2×2 average pool for a 1-channel NHWC input, as one elementwise loop.
+
+    With one input channel a convolution is kh·kw multiply-adds per output: written out per
+    pooling phase, XLA fuses conv, bias, ReLU and pool into one loop that never stores the
+    unpooled activations. The backward recomputes the four phases' ReLU masks and gets the weight
+    and bias gradients from one matmul: [patches | 1]ᵀ (kh·kw+1 × N·H·W) by the masked output
+    gradient (N·H·W × O).
+
+    The loop runs in `compute_dtype` (None: the inputs' dtype) and returns the inputs' dtype. float32
+    by default: the layer is elementwise work, which CPUs do not do in bfloat16 (XLA converts each
+    operand to float32 and back, which made this layer the costliest part of a bfloat16 step); the
+    inputs' bfloat16 values are exact in float32, so only the output's rounding is bfloat16's.
+    """
+    dtype = compute_dtype or x.dtype
+    return _one_channel_layer(x.astype(dtype), w_hwio.astype(dtype), b.astype(dtype)).astype(x.dtype)
 
 
 def make_apply(layer1: Layer = one_channel_conv_relu_pool, conv2: Conv = _conv,

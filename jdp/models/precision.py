@@ -3,7 +3,9 @@
 `mixed(model, "bf16")` wraps any `Model` so that each step
 
 * casts the float32 params and the images to bfloat16 as they enter the forward pass;
-* runs the forward and backward passes in bfloat16;
+* runs the forward and backward passes in bfloat16 (a model may keep a layer's elementwise work in
+  float32 on the bfloat16 values, as the fast LeNet's fused first layer does: CPUs have no bfloat16
+  elementwise arithmetic);
 * computes the loss in float32 (`summed_cross_entropy` and the BatchNorm models upcast the logits);
 * returns float32 gradients: the transpose of a float32 → bfloat16 cast is the bfloat16 → float32
   cast, so the allreduce receives float32 arrays and sums them in float32;
