@@ -1,5 +1,10 @@
 """The fast LeNet equals the lesson's reference: logits, loss and gradients, to float tolerance."""
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,12 +76,13 @@ def test_matmul_gradients_of_the_custom_vjp_are_the_convolutions(weight, inputs)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("conv", [lenet_fast.conv_low_precision_input_gradient,
+                                  lenet_fast.conv_low_precision_forward_gradients])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_conv2s_gradients_below_float32_are_the_convolutions_transposes(dtype):
+def test_conv2s_gradients_below_float32_are_the_convolutions_transposes(dtype, conv):
     """bfloat16 takes the forward-convolution branch; compared with float32 transposes of the same rounded values."""
     x = jax.random.normal(jax.random.key(3), (2, 7, 6, 3)).astype(dtype)
     w = jax.random.normal(jax.random.key(4), (3, 3, 3, 5)).astype(dtype)
-    conv = lenet_fast.conv_low_precision_forward_gradients
     low = lambda x, w: jnp.sum(jnp.sin(conv(x, w).astype(jnp.float32)))
     plain = lambda x, w: jnp.sum(jnp.sin(lenet_fast._conv(x.astype(jnp.float32), w.astype(jnp.float32))))
     tolerance = 3e-2 if dtype == jnp.bfloat16 else 1e-5
@@ -84,6 +90,63 @@ def test_conv2s_gradients_below_float32_are_the_convolutions_transposes(dtype):
         assert got.dtype == dtype
         scale = float(jnp.abs(want).max())
         np.testing.assert_allclose(got.astype(jnp.float32), want, rtol=0, atol=tolerance * scale)
+
+
+def _xla_conv(x, w):
+    return jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=lenet_fast.DIMS)
+
+
+def _gradient(apply, dtype, problem):
+    params, images, labels = problem
+    cast = lambda p, x: apply(jax.tree.map(lambda a: a.astype(dtype), p), x.astype(dtype)).astype(jnp.float32)
+    return jax.jit(jax.grad(lambda p: summed_cross_entropy(cast)(p, images, labels)))
+
+
+def test_fast_conv2_gradients_are_xla_s_own_in_float32(problem):
+    """float32 takes XLA's transposes: the same program, bit-equal gradients."""
+    params = problem[0]
+    got = _gradient(lenet_fast.apply, jnp.float32, problem)(params)
+    want = _gradient(lenet_fast.make_apply(conv2=_xla_conv), jnp.float32, problem)(params)
+    for name in got:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+CONVOLUTION_DTYPES = """
+import json, re, sys
+from jdp.runtime import xla_flags
+xla_flags.enable()  # as `jdp` runs: oneDNN's convolutions, which take bfloat16
+import jax, jax.numpy as jnp
+from jdp.models import lenet, lenet_fast, summed_cross_entropy
+xla_conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=lenet_fast.DIMS)
+params, images, labels = lenet.init(jax.random.key(0)), jnp.ones((8, 1, 28, 28)), jnp.arange(8) % 10
+def dtypes(apply):
+    low = lambda p, x: apply(jax.tree.map(lambda a: a.astype(jnp.bfloat16), p), x.astype(jnp.bfloat16))
+    grad = jax.jit(jax.grad(lambda p: summed_cross_entropy(lambda p, x: low(p, x).astype(jnp.float32))(p, images, labels)))
+    text = grad.lower(params).compile().as_text()
+    lines = [line for line in text.splitlines() if "convolution(" in line or "__onednn$convolution" in line]
+    return [re.search(r"= \\(?(\\w+)\\[", line).group(1) for line in lines]
+json.dump({"fast": dtypes(lenet_fast.apply), "xla": dtypes(lenet_fast.make_apply(conv2=xla_conv))}, sys.stdout)
+"""
+
+
+def test_fast_conv2_input_gradient_stays_bfloat16_where_xla_s_own_runs_in_float32():
+    """The compiled bf16 step, with jdp's XLA flags: XLA's CPU compiler upcasts conv2's own input gradient."""
+    done = subprocess.run([sys.executable, "-c", CONVOLUTION_DTYPES], capture_output=True, text=True, timeout=300,
+                          check=False, env={**os.environ, "XLA_FLAGS": ""})
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    if found["xla"].count("f32") == len(found["xla"]):
+        pytest.skip(f"this XLA runs every bfloat16 convolution in float32 ({found}): JAX 0.10's CPU compiler")
+    assert found["xla"].count("f32") == 1, found  # the input gradient: if XLA keeps it bf16, the custom one can go
+    assert found["fast"] == ["bf16"] * 3, found
+
+
+def test_fast_conv2_bf16_gradients_equal_xla_s_within_rounding(problem):
+    """Both accumulate conv2's input gradient in float32 and round it once."""
+    got = _gradient(lenet_fast.apply, jnp.bfloat16, problem)(problem[0])
+    want = _gradient(lenet_fast.make_apply(conv2=_xla_conv), jnp.bfloat16, problem)(problem[0])
+    for name in got:
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-2 * float(jnp.abs(want[name]).max()))
 
 
 def test_fused_first_layer_equals_conv_bias_relu_pool_with_all_gradients():

@@ -18,11 +18,13 @@ alternatives kept here so their cost can be re-measured on new hardware or a new
 * conv2 in NCHW/OIHW (the lesson's layout) inside the fast formulation;
 * the batch split into independent chunks inside one step (`split-2`, `split-4`: independent work for
   XLA's CPU thread pool, without devices);
-* conv2's gradients in bfloat16 as forward convolutions (XLA's CPU compiler runs one of its own
-  transposes in float32 there);
-* bfloat16: the whole model cast (`--precision bf16`, conv1's fused layer kept in float32), that with
-  conv1's layer in bfloat16 too, or only the conv and matmul operands with float32 accumulation and
-  float32 elementwise work.
+* conv2 with XLA's own gradients instead of `fast`'s custom one (the same program in float32; in
+  bfloat16 XLA's CPU compiler runs its input gradient in float32), and with both gradients as
+  bfloat16 forward convolutions;
+* bfloat16: the whole model cast (`--precision bf16`: conv1's fused layer in float32, conv2's input
+  gradient in bfloat16), that with conv1's layer in bfloat16 too, with XLA's conv2 input gradient, or
+  both (jdp's bf16 before 2026-12-07), or only the conv and matmul operands with float32 accumulation
+  and float32 elementwise work.
 """
 
 import argparse
@@ -61,6 +63,10 @@ from jdp.training.config import TrainConfig
 MARGIN = 0.05
 
 Apply = Callable[[Params, jax.Array], jax.Array]
+
+
+def _conv_xla_gradients(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=lenet_fast.DIMS)
 
 
 def _conv_im2col(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -129,9 +135,17 @@ FORMULATIONS: dict[str, tuple[str, Apply]] = {
     "conv2-nchw": ("fast, conv2 in the lesson's NCHW/OIHW layout", make_apply(conv2=_conv_nchw)),
     "split-2": ("fast, the batch as 2 independent chunks in one step", lenet_fast.FORMULATIONS["split-2"]),
     "split-4": ("fast, the batch as 4 independent chunks in one step", lenet_fast.FORMULATIONS["split-4"]),
-    "bf16": ("fast under `--precision bf16`: bfloat16, conv1's fused layer computed in float32", _bf16(lenet_fast.apply)),
-    "bf16-conv1-bf16": ("bf16, conv1's fused layer in bfloat16 too (`bf16` before 2026-12-07)",
+    "bf16": ("fast under `--precision bf16`: bfloat16, conv1's fused layer in float32", _bf16(lenet_fast.apply)),
+    "bf16-conv1-bf16": ("bf16, conv1's fused layer in bfloat16 too",
                         _bf16(make_apply(layer1=functools.partial(one_channel_conv_relu_pool, compute_dtype=None)))),
+    "conv2-xla-grads": ("fast, conv2 without its custom gradient (XLA's own transposes; float32 runs the same)",
+                        make_apply(conv2=_conv_xla_gradients)),
+    "bf16-conv2-xla-dx": ("bf16, conv2's input gradient XLA's own, which XLA runs in float32",
+                          _bf16(make_apply(conv2=_conv_xla_gradients))),
+    "bf16-conv1-bf16+conv2-xla-dx": ("both of the above: `--precision bf16` before 2026-12-07",
+                                     _bf16(make_apply(layer1=functools.partial(one_channel_conv_relu_pool,
+                                                                               compute_dtype=None),
+                                                      conv2=_conv_xla_gradients))),
     "bf16-conv2-forward-grads": ("bf16, conv2's gradients as forward convolutions, all in bfloat16 (not XLA's)",
                                  _bf16(make_apply(conv2=conv_low_precision_forward_gradients))),
     "bf16-operands": ("fast, bfloat16 conv/matmul operands only, float32 accumulation and elementwise",

@@ -21,6 +21,9 @@ the figures are in docs/performance.md):
   transpose that conv2's weight gradient reads, and runs it a second time there.
 * Pooling as a sum of four strided slices, which XLA fuses with the ReLU, instead of
   `reduce_window`.
+* conv2's input gradient, below float32, written out as the forward convolution XLA would run
+  (`conv_low_precision_input_gradient`): XLA's CPU compiler runs its own in float32 for bfloat16
+  operands; written out, it stays bfloat16. float32 takes XLA's own gradients.
 * Flattening for the dense layer: NHWC flattens in (h, w, c) order, the reference in (c, h, w);
   W3's rows are permuted to match instead of transposing the activations.
 
@@ -83,39 +86,63 @@ def conv_with_matmul_gradients(weight: bool, inputs: bool) -> Callable[[jax.Arra
     return conv
 
 
-@jax.custom_vjp
-def conv_low_precision_forward_gradients(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
-    """A VALID NHWC/HWIO convolution whose gradients, below float32, are forward convolutions too.
+def _input_gradient_as_forward_conv(dy: jax.Array, w_hwio: jax.Array) -> jax.Array:
+    """The input gradient of a VALID convolution: a forward convolution of dy padded by kh−1, kw−1, kernel flipped."""
+    kh, kw = w_hwio.shape[:2]
+    padded = jnp.pad(dy, ((0, 0), (kh - 1, kh - 1), (kw - 1, kw - 1), (0, 0)))
+    return _conv(padded, jnp.flip(w_hwio, (0, 1)).transpose(0, 1, 3, 2))
 
-    In float32 the gradients are XLA's own (the transposes of the convolution). In bfloat16, XLA's
-    CPU compiler runs one of conv2's two backward convolutions in float32 (converting dy and the
-    kernel up); written as forward convolutions (the input gradient over dy padded by kh−1, kw−1
-    with the kernel flipped, the weight gradient with batch and channels swapped) both run in
-    bfloat16, the weight gradient accumulated in float32. Not jdp's default: the whole bf16 step
-    measured no faster with it (`jdp bench formulations`'s bf16-conv2-forward-grads; the runs are in
-    experiments/results/formulations/).
+
+def _conv_fwd(x, w_hwio):
+    return _conv(x, w_hwio), (x, w_hwio)
+
+
+@jax.custom_vjp
+def conv_low_precision_input_gradient(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
+    """A VALID NHWC/HWIO convolution whose input gradient, below float32, stays in the input dtype.
+
+    XLA's CPU compiler runs a convolution's input gradient as a forward convolution over the padded
+    output gradient, and for bfloat16 operands converts both up and runs it in float32: the costliest
+    op of a bf16 LeNet step. Written out here as that forward convolution, it runs in bfloat16, at the
+    CPU's bfloat16 convolution speed. In float32 both gradients are XLA's own (the same program as
+    without this wrapper); the weight gradient is XLA's in every dtype.
     """
     return _conv(x, w_hwio)
 
 
-def _forward_gradients_fwd(x, w_hwio):
-    return _conv(x, w_hwio), (x, w_hwio)
+def _input_gradient_bwd(residuals, dy):
+    x, w_hwio = residuals
+    if dy.dtype == jnp.float32:
+        return jax.vjp(_conv, x, w_hwio)[1](dy)
+    (dw,) = jax.vjp(lambda w: _conv(x, w), w_hwio)[1](dy)
+    return _input_gradient_as_forward_conv(dy, w_hwio), dw
+
+
+conv_low_precision_input_gradient.defvjp(_conv_fwd, _input_gradient_bwd)
+
+
+@jax.custom_vjp
+def conv_low_precision_forward_gradients(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
+    """`conv_low_precision_input_gradient` with the weight gradient, below float32, a forward convolution too.
+
+    The weight gradient as a convolution of x as (C, H, W, N) by dy as (H, W, N, O), accumulated in
+    float32. Not jdp's default: it measured slower than XLA's weight gradient (`jdp bench
+    formulations`'s bf16-conv2-forward-grads; the runs are in experiments/results/formulations/).
+    """
+    return _conv(x, w_hwio)
 
 
 def _forward_gradients_bwd(residuals, dy):
     x, w_hwio = residuals
     if dy.dtype == jnp.float32:
         return jax.vjp(_conv, x, w_hwio)[1](dy)
-    kh, kw = w_hwio.shape[:2]
-    padded = jnp.pad(dy, ((0, 0), (kh - 1, kh - 1), (kw - 1, kw - 1), (0, 0)))
-    dx = _conv(padded, jnp.flip(w_hwio, (0, 1)).transpose(0, 1, 3, 2))
     # dw[i, j, c, o] = Σ_n,h,w x[n, h+i, w+j, c] dy[n, h, w, o]: a convolution of x as (C, H, W, N) by dy as (H, W, N, O)
     dw = jax.lax.conv_general_dilated(x.transpose(3, 1, 2, 0), dy.transpose(1, 2, 0, 3), (1, 1), "VALID",
                                       dimension_numbers=DIMS, preferred_element_type=jnp.float32)
-    return dx, dw.transpose(1, 2, 0, 3).astype(w_hwio.dtype)
+    return _input_gradient_as_forward_conv(dy, w_hwio), dw.transpose(1, 2, 0, 3).astype(w_hwio.dtype)
 
 
-conv_low_precision_forward_gradients.defvjp(_forward_gradients_fwd, _forward_gradients_bwd)
+conv_low_precision_forward_gradients.defvjp(_conv_fwd, _forward_gradients_bwd)
 
 
 def avg_pool(x: jax.Array) -> jax.Array:
@@ -202,7 +229,7 @@ def one_channel_conv_relu_pool(x: jax.Array, w_hwio: jax.Array, b: jax.Array,
     return _one_channel_layer(x.astype(dtype), w_hwio.astype(dtype), b.astype(dtype)).astype(x.dtype)
 
 
-def make_apply(layer1: Layer = one_channel_conv_relu_pool, conv2: Conv = _conv,
+def make_apply(layer1: Layer = one_channel_conv_relu_pool, conv2: Conv = conv_low_precision_input_gradient,
                bias: Callable[..., jax.Array] = add_bias, pool: Callable[[jax.Array], jax.Array] = avg_pool,
                matmul: Conv = jnp.matmul, barrier: bool = True) -> Callable[[Params, jax.Array], jax.Array]:
     """`apply` built from its pieces: the first conv layer, conv2, the bias add, pooling and the dense matmul.
