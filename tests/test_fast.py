@@ -70,7 +70,7 @@ def test_chunks_may_be_unequal_or_fewer_than_asked(problem):
 def test_matmul_gradients_of_the_custom_vjp_are_the_convolutions(weight, inputs):
     x = jax.random.normal(jax.random.key(3), (2, 7, 6, 3))
     w = jax.random.normal(jax.random.key(4), (3, 3, 3, 5))
-    plain = lambda x, w: jnp.sum(jnp.sin(lenet_fast._conv(x, w)))
+    plain = lambda x, w: jnp.sum(jnp.sin(lenet_fast.valid_conv(x, w)))
     custom = lambda x, w: jnp.sum(jnp.sin(lenet_fast.conv_with_matmul_gradients(weight, inputs)(x, w)))
     for got, want in zip(jax.grad(custom, (0, 1))(x, w), jax.grad(plain, (0, 1))(x, w)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -84,16 +84,12 @@ def test_conv2s_gradients_below_float32_are_the_convolutions_transposes(dtype, c
     x = jax.random.normal(jax.random.key(3), (2, 7, 6, 3)).astype(dtype)
     w = jax.random.normal(jax.random.key(4), (3, 3, 3, 5)).astype(dtype)
     low = lambda x, w: jnp.sum(jnp.sin(conv(x, w).astype(jnp.float32)))
-    plain = lambda x, w: jnp.sum(jnp.sin(lenet_fast._conv(x.astype(jnp.float32), w.astype(jnp.float32))))
+    plain = lambda x, w: jnp.sum(jnp.sin(lenet_fast.valid_conv(x.astype(jnp.float32), w.astype(jnp.float32))))
     tolerance = 3e-2 if dtype == jnp.bfloat16 else 1e-5
     for got, want in zip(jax.grad(low, (0, 1))(x, w), jax.grad(plain, (0, 1))(x, w)):
         assert got.dtype == dtype
         scale = float(jnp.abs(want).max())
         np.testing.assert_allclose(got.astype(jnp.float32), want, rtol=0, atol=tolerance * scale)
-
-
-def _xla_conv(x, w):
-    return jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=lenet_fast.DIMS)
 
 
 def _gradient(apply, dtype, problem):
@@ -106,7 +102,7 @@ def test_fast_conv2_gradients_are_xla_s_own_in_float32(problem):
     """float32 takes XLA's transposes: the same program, bit-equal gradients."""
     params = problem[0]
     got = _gradient(lenet_fast.apply, jnp.float32, problem)(params)
-    want = _gradient(lenet_fast.make_apply(conv2=_xla_conv), jnp.float32, problem)(params)
+    want = _gradient(lenet_fast.make_apply(conv2=lenet_fast.valid_conv), jnp.float32, problem)(params)
     for name in got:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
@@ -117,7 +113,6 @@ from jdp.runtime import xla_flags
 xla_flags.enable()  # as `jdp` runs: oneDNN's convolutions, which take bfloat16
 import jax, jax.numpy as jnp
 from jdp.models import lenet, lenet_fast, summed_cross_entropy
-xla_conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=lenet_fast.DIMS)
 params, images, labels = lenet.init(jax.random.key(0)), jnp.ones((8, 1, 28, 28)), jnp.arange(8) % 10
 def dtypes(apply):
     low = lambda p, x: apply(jax.tree.map(lambda a: a.astype(jnp.bfloat16), p), x.astype(jnp.bfloat16))
@@ -125,7 +120,7 @@ def dtypes(apply):
     text = grad.lower(params).compile().as_text()
     lines = [line for line in text.splitlines() if "convolution(" in line or "__onednn$convolution" in line]
     return [re.search(r"= \\(?(\\w+)\\[", line).group(1) for line in lines]
-json.dump({"fast": dtypes(lenet_fast.apply), "xla": dtypes(lenet_fast.make_apply(conv2=xla_conv))}, sys.stdout)
+json.dump({"fast": dtypes(lenet_fast.apply), "xla": dtypes(lenet_fast.make_apply(conv2=lenet_fast.valid_conv))}, sys.stdout)
 """
 
 
@@ -144,7 +139,7 @@ def test_fast_conv2_input_gradient_stays_bfloat16_where_xla_s_own_runs_in_float3
 def test_fast_conv2_bf16_gradients_equal_xla_s_within_rounding(problem):
     """Both accumulate conv2's input gradient in float32 and round it once."""
     got = _gradient(lenet_fast.apply, jnp.bfloat16, problem)(problem[0])
-    want = _gradient(lenet_fast.make_apply(conv2=_xla_conv), jnp.bfloat16, problem)(problem[0])
+    want = _gradient(lenet_fast.make_apply(conv2=lenet_fast.valid_conv), jnp.bfloat16, problem)(problem[0])
     for name in got:
         np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-2 * float(jnp.abs(want[name]).max()))
 

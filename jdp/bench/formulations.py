@@ -51,6 +51,7 @@ from jdp.models.lenet_fast import (
     make_apply,
     one_channel_conv_relu_pool,
     patches,
+    valid_conv,
 )
 from jdp.parallel.inflight import repeat_step
 from jdp.parallel.layout import split_batch
@@ -64,9 +65,8 @@ MARGIN = 0.05
 
 Apply = Callable[[Params, jax.Array], jax.Array]
 
-
-def _conv_xla_gradients(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=lenet_fast.DIMS)
+# conv1's fused layer computing in its inputs' dtype (bfloat16 under bf16), as jdp's bf16 did before 2026-12-07
+_layer1_in_input_dtype = functools.partial(one_channel_conv_relu_pool, compute_dtype=None)
 
 
 def _conv_im2col(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -137,15 +137,13 @@ FORMULATIONS: dict[str, tuple[str, Apply]] = {
     "split-4": ("fast, the batch as 4 independent chunks in one step", lenet_fast.FORMULATIONS["split-4"]),
     "bf16": ("fast under `--precision bf16`: bfloat16, conv1's fused layer in float32", _bf16(lenet_fast.apply)),
     "bf16-conv1-bf16": ("bf16, conv1's fused layer in bfloat16 too",
-                        _bf16(make_apply(layer1=functools.partial(one_channel_conv_relu_pool, compute_dtype=None)))),
+                        _bf16(make_apply(layer1=_layer1_in_input_dtype))),
     "conv2-xla-grads": ("fast, conv2 without its custom gradient (XLA's own transposes; float32 runs the same)",
-                        make_apply(conv2=_conv_xla_gradients)),
+                        make_apply(conv2=valid_conv)),
     "bf16-conv2-xla-dx": ("bf16, conv2's input gradient XLA's own, which XLA runs in float32",
-                          _bf16(make_apply(conv2=_conv_xla_gradients))),
+                          _bf16(make_apply(conv2=valid_conv))),
     "bf16-conv1-bf16+conv2-xla-dx": ("both of the above: `--precision bf16` before 2026-12-07",
-                                     _bf16(make_apply(layer1=functools.partial(one_channel_conv_relu_pool,
-                                                                               compute_dtype=None),
-                                                      conv2=_conv_xla_gradients))),
+                                     _bf16(make_apply(layer1=_layer1_in_input_dtype, conv2=valid_conv))),
     "bf16-conv2-forward-grads": ("bf16, conv2's gradients as forward convolutions, all in bfloat16 (not XLA's)",
                                  _bf16(make_apply(conv2=conv_low_precision_forward_gradients))),
     "bf16-operands": ("fast, bfloat16 conv/matmul operands only, float32 accumulation and elementwise",

@@ -44,7 +44,8 @@ from jdp.models.lenet import Params, add_bias
 DIMS = ("NHWC", "HWIO", "NHWC")  # the convolutions' layouts: activations NHWC, kernels HWIO
 
 
-def _conv(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
+def valid_conv(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
+    """A VALID NHWC/HWIO convolution, differentiated by XLA's own transposes (the building block the others wrap)."""
     return jax.lax.conv_general_dilated(x, w_hwio, (1, 1), "VALID", dimension_numbers=DIMS)
 
 
@@ -63,10 +64,10 @@ def conv_with_matmul_gradients(weight: bool, inputs: bool) -> Callable[[jax.Arra
 
     @jax.custom_vjp
     def conv(x: jax.Array, w_hwio: jax.Array) -> jax.Array:
-        return _conv(x, w_hwio)
+        return valid_conv(x, w_hwio)
 
     def conv_fwd(x, w_hwio):
-        return _conv(x, w_hwio), (x, w_hwio)
+        return valid_conv(x, w_hwio), (x, w_hwio)
 
     def conv_bwd(residuals, dy):
         x, w_hwio = residuals
@@ -74,12 +75,12 @@ def conv_with_matmul_gradients(weight: bool, inputs: bool) -> Callable[[jax.Arra
         if weight:
             dw = jnp.einsum("nhwk,nhwo->ko", patches(x, kh, kw), dy).reshape(w_hwio.shape)
         else:
-            (dw,) = jax.vjp(lambda w: _conv(x, w), w_hwio)[1](dy)
+            (dw,) = jax.vjp(lambda w: valid_conv(x, w), w_hwio)[1](dy)
         if inputs:
             patches_vjp = jax.vjp(lambda x: patches(x, kh, kw), x)[1]
             (dx,) = patches_vjp(jnp.einsum("nhwo,ko->nhwk", dy, w_hwio.reshape(kh * kw * c, out)))
         else:
-            (dx,) = jax.vjp(lambda x: _conv(x, w_hwio), x)[1](dy)
+            (dx,) = jax.vjp(lambda x: valid_conv(x, w_hwio), x)[1](dy)
         return dx, dw
 
     conv.defvjp(conv_fwd, conv_bwd)
@@ -90,11 +91,11 @@ def _input_gradient_as_forward_conv(dy: jax.Array, w_hwio: jax.Array) -> jax.Arr
     """The input gradient of a VALID convolution: a forward convolution of dy padded by kh−1, kw−1, kernel flipped."""
     kh, kw = w_hwio.shape[:2]
     padded = jnp.pad(dy, ((0, 0), (kh - 1, kh - 1), (kw - 1, kw - 1), (0, 0)))
-    return _conv(padded, jnp.flip(w_hwio, (0, 1)).transpose(0, 1, 3, 2))
+    return valid_conv(padded, jnp.flip(w_hwio, (0, 1)).transpose(0, 1, 3, 2))
 
 
 def _conv_fwd(x, w_hwio):
-    return _conv(x, w_hwio), (x, w_hwio)
+    return valid_conv(x, w_hwio), (x, w_hwio)
 
 
 @jax.custom_vjp
@@ -107,14 +108,14 @@ def conv_low_precision_input_gradient(x: jax.Array, w_hwio: jax.Array) -> jax.Ar
     CPU's bfloat16 convolution speed. In float32 both gradients are XLA's own (the same program as
     without this wrapper); the weight gradient is XLA's in every dtype.
     """
-    return _conv(x, w_hwio)
+    return valid_conv(x, w_hwio)
 
 
 def _input_gradient_bwd(residuals, dy):
     x, w_hwio = residuals
     if dy.dtype == jnp.float32:
-        return jax.vjp(_conv, x, w_hwio)[1](dy)
-    (dw,) = jax.vjp(lambda w: _conv(x, w), w_hwio)[1](dy)
+        return jax.vjp(valid_conv, x, w_hwio)[1](dy)
+    (dw,) = jax.vjp(lambda w: valid_conv(x, w), w_hwio)[1](dy)
     return _input_gradient_as_forward_conv(dy, w_hwio), dw
 
 
@@ -129,13 +130,13 @@ def conv_low_precision_forward_gradients(x: jax.Array, w_hwio: jax.Array) -> jax
     float32. Not jdp's default: it measured slower than XLA's weight gradient (`jdp bench
     formulations`'s bf16-conv2-forward-grads; the runs are in experiments/results/formulations/).
     """
-    return _conv(x, w_hwio)
+    return valid_conv(x, w_hwio)
 
 
 def _forward_gradients_bwd(residuals, dy):
     x, w_hwio = residuals
     if dy.dtype == jnp.float32:
-        return jax.vjp(_conv, x, w_hwio)[1](dy)
+        return jax.vjp(valid_conv, x, w_hwio)[1](dy)
     # dw[i, j, c, o] = Σ_n,h,w x[n, h+i, w+j, c] dy[n, h, w, o]: a convolution of x as (C, H, W, N) by dy as (H, W, N, O)
     dw = jax.lax.conv_general_dilated(x.transpose(3, 1, 2, 0), dy.transpose(1, 2, 0, 3), (1, 1), "VALID",
                                       dimension_numbers=DIMS, preferred_element_type=jnp.float32)
@@ -158,7 +159,7 @@ Conv = Callable[[jax.Array, jax.Array], jax.Array]
 Layer = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def conv_relu_pool(conv: Conv = _conv, bias: Callable[..., jax.Array] = add_bias,
+def conv_relu_pool(conv: Conv = valid_conv, bias: Callable[..., jax.Array] = add_bias,
                    pool: Callable[[jax.Array], jax.Array] = avg_pool) -> Layer:
     """A conv → bias → ReLU → 2×2 average pool layer, `layer(x, w_hwio, b)`, from its pieces."""
     return lambda x, w_hwio, b: pool(jax.nn.relu(bias(conv(x, w_hwio), b)))
