@@ -23,12 +23,13 @@ from jdp.parallel.allreduce import register as register_allreduce
 from jdp.parallel.buckets import fused
 from jdp.parallel.compress import low_precision, powersgd
 from jdp.parallel.cost import Cost, Terms
+from jdp.parallel.evaluate import make_evaluator
 from jdp.parallel.layout import map_over_devices, replicate, split_batch, unreplicate
 from jdp.parallel.opt_state import OptState
 from jdp.parallel.opt_state import init_sharded as init_sharded_opt_state
-from jdp.parallel.streaming import StreamingDiLoCo, streaming_diloco
 from jdp.parallel.step import make_local_step, make_sharded_step, make_train_step
 from jdp.parallel.strategy import Allreduce
+from jdp.parallel.streaming import StreamingDiLoCo, streaming_diloco
 from jdp.parallel.sync import Sync
 from jdp.parallel.sync import names as sync_names
 from jdp.parallel.sync import register as register_sync
@@ -37,7 +38,6 @@ from jdp.runtime.devices import describe as describe_devices
 from jdp.runtime.xla_flags import enable as enable_xla_flags
 from jdp.training.checkpoint import Checkpoints
 from jdp.training.config import TrainConfig
-from jdp.training.evaluate import make_evaluator
 from jdp.training.guards import Guards
 from jdp.training.hooks import EpochRecord, Hooks
 from jdp.training.loop import train

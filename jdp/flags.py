@@ -88,7 +88,7 @@ def add_optimizer_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_steps_per_call_flag(parser: argparse.ArgumentParser, help: str) -> None:
-    """`--steps-per-call S`: a positive number, or auto (`jdp.training.feeders.AUTO`, the default)."""
+    """`--steps-per-call S`: a positive number, or auto (`jdp.parallel.feeders.AUTO`, the default)."""
     parser.add_argument("--steps-per-call", type=_steps_per_call, default="auto", metavar="S", help=help)
 
 

@@ -261,9 +261,17 @@ def test_every_built_in_has_a_cost_the_wrappers_carry_and_powersgd_drops():
 @pytest.mark.parametrize("module,name,replacement", [
     ("jdp.parallel.compress", "get", "jdp.get_allreduce"), ("jdp.parallel.cost", "formula", ".cost"),
     ("jdp.parallel.cost", "fit_all", "jdp.bench.fit.fit_all"), ("jdp.runtime.machine_kind", "Kind", "MachineKind"),
-    ("jdp.training.formulation", "COMMITTED", "committed()"), ("jdp.bench.baselines", "BASELINES", "committed()")])
+    ("jdp.training.formulation", "COMMITTED", "committed()"), ("jdp.bench.baselines", "BASELINES", "committed()"),
+    ("jdp.runtime.devices", "mesh", "jdp.parallel.layout.mesh")])
 def test_a_removed_name_says_what_replaced_it(module, name, replacement):
     import importlib
 
     with pytest.raises(AttributeError, match=re.escape(replacement)):
         getattr(importlib.import_module(module), name)
+
+
+def test_a_renamed_opt_state_method_says_what_replaced_it():
+    from jdp.parallel.opt_state import OptState
+
+    with pytest.raises(AttributeError, match="optimizer_and_strategy"):
+        OptState(sgd(0.1), None, 2).split  # noqa: B018

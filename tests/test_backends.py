@@ -12,10 +12,9 @@ from jdp import data
 from jdp.errors import ConfigError
 from jdp.models import lenet
 from jdp.parallel import allreduce, layout
+from jdp.parallel.evaluate import make_evaluator
 from jdp.parallel.step import make_train_step
-from jdp.runtime import devices as jdp_devices
 from jdp.runtime.devices import AXIS
-from jdp.training.evaluate import make_evaluator
 
 INSIDE = list(allreduce.names("inside"))
 OUTSIDE = list(allreduce.names("outside"))
@@ -96,7 +95,7 @@ def test_shard_map_sums_gradients_exactly_once(devices, batches):
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return jax.tree.map(lambda a, u: a + u, params, updates), opt_state, jax.numpy.zeros(1)
 
-        return jax.jit(jax.shard_map(local, mesh=jdp_devices.mesh(ds), in_specs=(P(), P(), P(AXIS), P(AXIS)),
+        return jax.jit(jax.shard_map(local, mesh=layout.mesh(ds), in_specs=(P(), P(), P(AXIS), P(AXIS)),
                                      out_specs=(P(), P(), P(AXIS)), check_vma=True))
 
     doubled = one_sgd_step_delta(summed_twice, ds, x, y)

@@ -20,8 +20,8 @@ from jdp.cli import main as cli
 from jdp.errors import ConfigError, DataError
 from jdp.models import lenet
 from jdp.parallel import layout
+from jdp.parallel import feeders as pipeline
 from jdp.training import checkpoint
-from jdp.training import feeders as pipeline
 from jdp.training.config import TrainConfig, checkpoint_target
 from jdp.training.loop import train
 

@@ -92,7 +92,7 @@ def test_the_wire_variant_rounds_less_than_summing_in_bf16(devices):
 
 def powersgd_state(strategy, grads_one, devices):
     state = OptState(optax.identity(), grads_one, len(devices), strategy=strategy)
-    return state.split(state.place(state.init(grads_one, jax.random.key(0)), devices, "pmap"))[1]
+    return state.optimizer_and_strategy(state.place(state.init(grads_one, jax.random.key(0)), devices, "pmap"))[1]
 
 
 @pytest.mark.parametrize("name", ["psum", "manual"])

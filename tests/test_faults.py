@@ -24,8 +24,9 @@ import pytest
 
 from jdp.cli import main as cli
 from jdp.errors import ConfigError, ProcessLostError
+from jdp.parallel import tally
 from jdp.runtime import faults, launch
-from jdp.training import checkpoint, tally
+from jdp.training import checkpoint
 from jdp.training.checkpoint import Checkpoints
 from jdp.training.config import TrainConfig, checkpoint_target
 from jdp.training.keeper import Keeper

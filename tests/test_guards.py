@@ -14,10 +14,11 @@ from jdp.cli import main as cli
 from jdp.errors import TrainingError
 from jdp.models import lenet
 from jdp.parallel import allreduce
+from jdp.parallel import tally
 from jdp.parallel.inflight import InFlight
 from jdp.parallel.layout import replicate, split_batch
 from jdp.parallel.step import make_train_step
-from jdp.training import checkpoint, guards, tally
+from jdp.training import checkpoint, guards
 from jdp.training.config import TrainConfig, checkpoint_target
 from jdp.training.loop import train
 

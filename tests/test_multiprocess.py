@@ -93,7 +93,7 @@ def test_single_process_without_flags_or_cluster():
 def test_each_process_loads_its_own_rows_of_every_batch(monkeypatch):
     """Two processes' slices tile each batch of the single-process `epoch_batches`: same order,
     no overlap, no row lost (devices are stand-ins: only `process_index` is read)."""
-    from jdp.training.feeders import epoch_batches
+    from jdp.parallel.feeders import epoch_batches
 
     fake = [type("Device", (), {"process_index": p})() for p in (0, 0, 1, 1)]
     split = data.synthetic(jax.random.key(5), n_train=40, n_test=1).train

@@ -9,10 +9,11 @@ from jdp import data
 from jdp.bench.loop import tiny_mlp
 from jdp.errors import ConfigError
 from jdp.parallel import allreduce
+from jdp.parallel import feeders as pipeline
+from jdp.parallel import tally
 from jdp.parallel.layout import replicate, split_batch, unreplicate
 from jdp.parallel.step import make_train_step
-from jdp.training import feeders as pipeline
-from jdp.training import loop, tally
+from jdp.training import loop
 from jdp.training.config import TrainConfig
 
 BATCH = 32
@@ -118,8 +119,8 @@ def test_auto_steps_per_call_stays_within_a_bound():  # a checkpoint every 5 ste
 
 def test_the_steady_step_time_skips_the_compiling_calls_and_needs_enough_of_them():
     paced = [(0.0, 1), (5.0, 1)] + [(5.0 + 0.002 * i, 2) for i in range(1, 9)]  # two slow first calls, then 2 ms
-    assert loop._steady_step_seconds(paced) == pytest.approx(0.001)
-    assert loop._steady_step_seconds(paced[:9]) == float("inf")  # 7 timed calls: too few
+    assert pipeline.steady_step_seconds(paced) == pytest.approx(0.001)
+    assert pipeline.steady_step_seconds(paced[:9]) == float("inf")  # 7 timed calls: too few
 
 
 @pytest.mark.parametrize(("strategy", "chosen"), [("psum", 4), ("manual", 1)])

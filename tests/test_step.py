@@ -8,10 +8,10 @@ from reference import LOSS, assert_replicas_identical, single_device_full_batch
 from jdp import data
 from jdp.models import lenet
 from jdp.parallel import allreduce
+from jdp.parallel.evaluate import make_evaluator
 from jdp.parallel.inflight import InFlight
 from jdp.parallel.layout import replicate, split_batch, unreplicate
 from jdp.parallel.step import make_train_step
-from jdp.training.evaluate import make_evaluator
 
 STRATEGIES = ["psum", "manual"]
 

@@ -9,7 +9,7 @@ step) decides the speed. A tiny MLP on a CPU shows the same thing on any machine
 (b) bare: a bare Python loop over the same compiled train step on one batch already on the devices,
     dispatching without waiting and blocking once at the end: the least a loop can cost;
 (c) windowed: (b) with the bounded window of in-flight steps that the loop keeps (`jdp.parallel.inflight`);
-(d) runner: the epoch runner that `jdp.train` calls (`jdp.training.feeders`), alone, at the steps per call
+(d) runner: the epoch runner that `jdp.train` calls (`jdp.parallel.feeders`), alone, at the steps per call
     `train` chose: the same compiled calls (the batches' rows fetched on the devices, the steps, the tally
     folded), without the guards, the checkpoint keeper or the job watch.
 
@@ -32,12 +32,12 @@ from jdp.bench.machine import machine
 from jdp.errors import check_positive
 from jdp.flags import add_device_flags, add_steps_per_call_flag, check_out_dir, setup_devices
 from jdp.models import Model, summed_cross_entropy
+from jdp.parallel import tally
+from jdp.parallel.feeders import CallPlan, make_epoch_runner
 from jdp.parallel.inflight import repeat_step
 from jdp.parallel.layout import split_batch
-from jdp.training import tally
 from jdp.training.build import build_run
 from jdp.training.config import TrainConfig
-from jdp.training.feeders import CallPlan, make_epoch_runner
 from jdp.training.hooks import EpochRecord, Hooks
 from jdp.training.loop import train
 

@@ -2,7 +2,7 @@
 
 For each precision (float32, bf16) and device count k (1, 2 and all of them) at the same global batch:
 
-(a) epoch: jdp's training loop (`jdp.training.feeders.make_epoch_runner` driving `jdp.make_train_step`,
+(a) epoch: jdp's training loop (`jdp.parallel.feeders.make_epoch_runner` driving `jdp.make_train_step`,
     exactly what `jdp train` times) over `--steps` batches of the training set;
 (b) floor: the same compiled step called `--steps` times on one batch already on the devices, with the
     same bounded in-flight window: all the loop could hope for;
@@ -35,14 +35,14 @@ from jdp.errors import Arg, ConfigError, check_positive
 from jdp.flags import add_device_flags, check_out_dir, load_plugins, setup_devices
 from jdp.models import lenet, precision
 from jdp.models.lenet_fast import FORMULATIONS
+from jdp.parallel.feeders import CallPlan, make_epoch_runner
 from jdp.parallel.inflight import repeat_step
 from jdp.parallel.layout import split_batch
+from jdp.parallel.tally import place_tally, start
 from jdp.runtime.machine_kind import this_kind
 from jdp.training.build import build_run
 from jdp.training.config import TrainConfig
-from jdp.training.feeders import CallPlan, make_epoch_runner
 from jdp.training.formulation import read_cache, resolve
-from jdp.training.tally import place_tally, start
 
 FULL_EPOCH_IMAGES = 60_000  # Fashion-MNIST's training set: sec/epoch is extrapolated to it
 TARGETS = {"max_overhead_1_2_devices": 1.10, "min_images_per_s_1_device": 3300.0, "max_k_vs_1_device": 1.3}

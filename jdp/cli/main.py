@@ -104,7 +104,7 @@ def _add_data_and_model_flags(train: argparse.ArgumentParser) -> None:
     from jdp.models import BATCHNORM
     from jdp.models.lenet_fast import FORMULATIONS
     from jdp.models.precision import PRECISIONS
-    from jdp.training.evaluate import EVAL_ON
+    from jdp.parallel.evaluate import EVAL_ON
 
     train.add_argument("--dataset", default="fashion_mnist", choices=DATASETS)
     train.add_argument("--data-dir", default=None,

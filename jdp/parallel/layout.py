@@ -16,7 +16,7 @@ The backends lay them out differently, and `map_over_devices` hides the differen
 * ``shard_map``: `jax.jit(jax.shard_map(...))` over a 1-D mesh: replicated `P()` in its natural
   shape, per_device (k, ...) `P('data')`, batch (B, ...) `P('data')`.
 
-Every function returns global `jax.Array`s over the 1-D mesh of `jdp.runtime.devices.mesh`: shard
+Every function returns global `jax.Array`s over the 1-D mesh of `mesh`: shard
 i lives on device i. Devices are ordered by (process, id), so process p owns a contiguous block of
 the mesh and therefore a contiguous block of rows of every global batch (`process_rows`): with
 several processes each passes its own rows, and every process the same replicated values.
@@ -28,11 +28,11 @@ from typing import Any, Literal
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp.errors import Arg, ConfigError, DeviceError
-from jdp.runtime.devices import AXIS, mesh
+from jdp.runtime.devices import AXIS
 from jdp.types import PyTree
 
 Backend = Literal["pmap", "shard_map"]
@@ -40,6 +40,11 @@ BACKENDS: tuple[Backend, ...] = ("pmap", "shard_map")
 Kind = Literal["replicated", "per_device", "batch"]
 Kinds = Any  # a Kind, or a pytree of Kinds that is a prefix of the value's pytree
 _SPECS = {"replicated": P(), "per_device": P(AXIS), "batch": P(AXIS)}
+
+
+def mesh(devices: Sequence[jax.Device]) -> Mesh:
+    """The 1-D device mesh whose axis is `AXIS`, in the order given."""
+    return Mesh(np.asarray(devices), (AXIS,))
 
 
 def check_backend(backend: str) -> None:
@@ -201,7 +206,7 @@ def shard_rows(rows: np.ndarray, devices: Sequence[jax.Device], backend: Backend
 
 def place_step_batches(rows: np.ndarray, devices: Sequence[jax.Device]) -> jax.Array:
     """S batches of one process's devices, (S, k, B/k, ...) with device i holding column i: what a
-    `pmap` step unrolled S times in one call takes (`jdp.training.feeders`)."""
+    `pmap` step unrolled S times in one call takes (`jdp.parallel.feeders`)."""
     return jax.device_put(rows, NamedSharding(mesh(devices), P(None, AXIS)))
 
 

@@ -39,7 +39,10 @@ if TYPE_CHECKING:
 
 _OPTIMIZER, _STRATEGY = "optimizer", "allreduce"  # the parts' keys in the state (what checkpoints hold)
 _SYNC = "outer"  # where the sync's own state is kept: DiLoCo's name for it, which its checkpoints hold
-_MOVED = {"outer": "sync_state", "has_outer": "has_sync_state", "outer_optimizer": "sync_init"}
+_MOVED = {"outer": "`sync_state`: the sync algorithm's own state",
+          "has_outer": "`has_sync_state`: the sync algorithm's own state",
+          "outer_optimizer": "`sync_init`: the sync algorithm's own state",
+          "split": "`optimizer_and_strategy`: the optimizer's part and the strategy's"}
 
 
 class Part(abc.ABC):
@@ -180,7 +183,7 @@ class OptState:
     Attributes:
       optimizer: the optax optimizer.
       params: the trainable params, or their `jax.ShapeDtypeStruct`s (the sharded variant's layout;
-        None where only the kinds, `split` and `join` are used, as in the train step).
+        None where only the kinds, `optimizer_and_strategy` and `join` are used, as in the train step).
       device_count: k, the devices the state is placed on.
       sharded: ZeRO: each device holds 1/k of the per-element state (`ShardedOptimizer`).
       strategy: the allreduce strategy; a stateful one keeps its per-device state here too (`StrategyState`).
@@ -236,7 +239,7 @@ class OptState:
         """The placement kinds of the whole state, a pytree prefix of it."""
         return self._joined({key: part.kind for key, part in self.parts.items()})
 
-    def split(self, state: PyTree) -> tuple[PyTree, PyTree]:
+    def optimizer_and_strategy(self, state: PyTree) -> tuple[PyTree, PyTree]:
         """(the optimizer's part, the strategy's per-device part or None); on the devices or in a step."""
         parts = self._parts_of(state)
         return parts[_OPTIMIZER], parts.get(_STRATEGY)
@@ -246,7 +249,7 @@ class OptState:
         return self._parts_of(state).get(_SYNC)
 
     def join(self, optimizer_state: PyTree, strategy_state: PyTree, sync_state: PyTree = None) -> PyTree:
-        """The inverse of `split` (and `sync_state`)."""
+        """The inverse of `optimizer_and_strategy` (and `sync_state`)."""
         given = {_OPTIMIZER: optimizer_state, _STRATEGY: strategy_state, _SYNC: sync_state}
         return self._joined({key: given[key] for key in self.parts})
 
@@ -284,7 +287,7 @@ class OptState:
 
     def __getattr__(self, name: str) -> Any:
         if name in _MOVED:  # removed after 0.1.0; see docs/api.md
-            raise AttributeError(f"`OptState.{name}` is now `{_MOVED[name]}`: the sync algorithm's own state.")
+            raise AttributeError(f"`OptState.{name}` is now {_MOVED[name]}.")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 

@@ -155,7 +155,7 @@ def _summed_step(device: _OnDevice, opt: OptState, devices: Sequence[jax.Device]
     if strategy.inside:
 
         def local_step(variables, opt_state, images, labels):
-            optimizer_state, kept = opt.split(opt_state)
+            optimizer_state, kept = opt.optimizer_and_strategy(opt_state)
             loss, grads, state = device.grads(variables, images, labels)
             grads, kept = strategy.reduce(grads, kept, AXIS)  # the one reduction over the devices
             variables, optimizer_state = device.update(variables, optimizer_state, grads, state, images.shape[0] * k)
@@ -173,7 +173,7 @@ def _summed_step(device: _OnDevice, opt: OptState, devices: Sequence[jax.Device]
     reduce = segment("communication", strategy.reduce)
 
     def step(variables, opt_state, images, labels):
-        optimizer_state, kept = opt.split(opt_state)
+        optimizer_state, kept = opt.optimizer_and_strategy(opt_state)
         loss, grads, state = p_grads(variables, images, labels)  # per-device gradients leave the device step
         grads, kept = reduce(grads, kept)  # explicit transfers between devices
         variables, optimizer_state = p_update(variables, optimizer_state, grads, state, images)
@@ -276,7 +276,7 @@ def make_local_step(loss: "LossFn | Model", opt: OptState, devices: Sequence[jax
                           "(`OptState(..., local=True)`); a step that sums the gradients is `make_train_step`'s.")
 
     def own_step(variables, opt_state, images, labels):
-        optimizer_state, kept = opt.split(opt_state)
+        optimizer_state, kept = opt.optimizer_and_strategy(opt_state)
         loss, grads, state = device.grads(variables, images, labels)
         variables, optimizer_state = device.update(variables, optimizer_state, grads, state, images.shape[0])
         return variables, opt.join(optimizer_state, kept, opt.sync_state(opt_state)), loss

@@ -302,7 +302,7 @@ def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[
 
     def inside(key):
         def local_sync(params, opt_state):
-            (inner, kept), state = opt.split(opt_state), opt.sync_state(opt_state)
+            (inner, kept), state = opt.optimizer_and_strategy(opt_state), opt.sync_state(opt_state)
             sent, total = sync.send(params, state, key), None
             if sent is not None:
                 total, kept = reducer.reduce(sent, kept, AXIS)
@@ -324,7 +324,7 @@ def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[
                                       backend, ("per_device", *kinds), kinds, donate=(0, 1))
 
         def outside_sync(params, opt_state):
-            (inner, kept), state = opt.split(opt_state), opt.sync_state(opt_state)
+            (inner, kept), state = opt.optimizer_and_strategy(opt_state), opt.sync_state(opt_state)
             sent, total = p_sent(params, state), None
             if sent is not None:
                 total, kept = reducer.reduce(sent, kept)  # explicit transfers between devices

@@ -1,15 +1,14 @@
-"""Which devices a run uses, the 1-D mesh over them, and simulated CPU devices.
+"""Which devices a run uses, the name of the axis over them, and simulated CPU devices.
 
 Simulation must be configured before JAX initialises its backends (the first `jax.devices()` call
 or the first computation), which is why the CLI calls `simulate_cpu_devices` before anything else.
 """
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
-import numpy as np
 from jax._src import xla_bridge
-from jax.sharding import Mesh
 
 from jdp.errors import Arg, DeviceError, check_positive
 
@@ -69,11 +68,12 @@ def select_devices(count: int | None = None, platform: str | None = None) -> lis
     return [d for ds in by_process.values() for d in ds[:per_process]]
 
 
-def mesh(devices: Sequence[jax.Device]) -> Mesh:
-    """The 1-D device mesh whose axis is `AXIS`, in the order given."""
-    return Mesh(np.asarray(devices), (AXIS,))
-
-
 def describe(devices: Sequence[jax.Device]) -> list[str]:
     """Device names as the lesson prints them, e.g. ["CpuDevice(id=0)", "CpuDevice(id=1)"]."""
     return [repr(d) for d in devices]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "mesh":  # moved after 0.1.0; see docs/api.md
+        raise AttributeError("`jdp.runtime.devices.mesh` is now `jdp.parallel.layout.mesh`: placement owns the mesh.")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

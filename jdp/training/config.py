@@ -11,13 +11,13 @@ from jdp.models import Model, precision
 from jdp.parallel import allreduce as allreduce_lib
 from jdp.parallel import compress as compress_lib
 from jdp.parallel import sync as sync_lib
+from jdp.parallel.evaluate import EVAL_ON
+from jdp.parallel.feeders import AUTO
 from jdp.parallel.layout import check_backend, check_divisible, copies
 from jdp.parallel.opt_state import OptState
 from jdp.parallel.step import check_strategy
 from jdp.parallel.strategy import Allreduce
 from jdp.training import formulation, optimizers
-from jdp.training.evaluate import EVAL_ON
-from jdp.training.feeders import AUTO
 from jdp.types import PyTree
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 * Non-finite values: a NaN or inf loss, or parameters an update made non-finite (non-finite
   gradients, or an update so large it overflowed) end the run, naming the step where they
   appeared and the last good checkpoint to resume from. The check runs on the devices inside the
-  training call (`jdp.training.tally`) and is read back rarely, so it never stalls the loop.
+  training call (`jdp.parallel.tally`) and is read back rarely, so it never stalls the loop.
 * Replica divergence: data parallelism is correct only while every device holds bit-identical
   params and optimizer state; an allreduce that leaves slightly different sums on different
   devices lets the replicas drift apart silently. `check_replicas` compares every device's copy.
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdp.errors import Arg, ConfigError, Message, ProcessLostError, TrainingError, check_positive
+from jdp.parallel.tally import Tally, read_local
 from jdp.runtime import faults
-from jdp.training.tally import Tally, read_local
 from jdp.types import PyTree
 
 
@@ -60,7 +60,7 @@ def leaf_names(tree: PyTree) -> list[str]:
 
 
 def check_finite(tally: Tally, names: Sequence[str], last_good: Path | None) -> None:
-    """Raises TrainingError if `tally` (a host copy, `jdp.training.tally.read_local`) saw a non-finite value.
+    """Raises TrainingError if `tally` (a host copy, `jdp.parallel.tally.read_local`) saw a non-finite value.
 
     Params after step t are finite exactly when step t's gradients were finite and its update did
     not overflow, so the tally's check of the params checks the gradients without taking them out of the step.
@@ -154,7 +154,7 @@ class Cadence(NamedTuple):
 class Watch:
     """Both guards, run by the training loop after every compiled call of the train step.
 
-    Every call folds its finite check into the run's tally on the devices (`jdp.training.tally`); the
+    Every call folds its finite check into the run's tally on the devices (`jdp.parallel.tally`); the
     watch reads a tally rarely (`Cadence`), the one of `lag` calls ago, which the loop's window of
     in-flight calls has already waited for: reading never makes the host wait for the devices. `flush` reads
     the newest tally and checks the params themselves (the loop calls it before saving a checkpoint and at

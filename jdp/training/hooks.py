@@ -10,8 +10,8 @@ import jax
 import numpy as np
 
 from jdp.errors import Arg, ConfigError
+from jdp.parallel.feeders import AUTO
 from jdp.training.config import TrainConfig
-from jdp.training.feeders import AUTO
 from jdp.training.keeper import Keeper
 from jdp.training.profile import Profiler, check_window
 from jdp.training.stragglers import Stopwatch

@@ -8,11 +8,11 @@ import jax
 import numpy as np
 
 from jdp.errors import Arg, ConfigError
+from jdp.parallel import tally
+from jdp.parallel.tally import Tally
 from jdp.runtime.faults import JobWatch
-from jdp.training import tally
 from jdp.training.checkpoint import Checkpoints, path_for, restore_latest, save
 from jdp.training.resume import check_resumable, check_same_state
-from jdp.training.tally import Tally
 from jdp.types import PyTree
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ class Keeper:
 
     `train` reports each compiled call (`after_call`) and each finished epoch (`end_epoch`). The
     position (step, epoch, batches of it done) and each device's running loss of the epoch are what a
-    resumed run needs to continue exactly: the losses are summed on the devices (`jdp.training.tally`)
+    resumed run needs to continue exactly: the losses are summed on the devices (`jdp.parallel.tally`)
     and saved per device, so a resumed run sums them in the same order as an uninterrupted one.
 
     Checkpoints are saved every `every` steps (at the first call boundary at or after each multiple)

@@ -7,32 +7,34 @@ files are the caller's (the CLI's) business, passed in as `Hooks`.
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jdp.data import Dataset
 from jdp.errors import JdpError, moved_arguments
-from jdp.parallel.layout import fetch, per_process, to_host
-from jdp.runtime import faults
-from jdp.training import checkpoint, formulation
-from jdp.training.checkpoint import Checkpoints
-from jdp.training.build import BuiltRun, build_run
-from jdp.training.config import TrainConfig
-from jdp.training.evaluate import make_epoch_evaluator
-from jdp.training.feeders import (
+from jdp.parallel.evaluate import make_epoch_evaluator
+from jdp.parallel.feeders import (
     AUTO,
     MAX_AUTO_STEPS,
     CallPlan,
     auto_steps_per_call,
     make_epoch_runner,
     several_steps_per_call,
+    steady_step_seconds,
+    step_losses,
+    timed_calls,
 )
+from jdp.parallel.layout import fetch, per_process
+from jdp.parallel.tally import place_tally
+from jdp.runtime import faults
+from jdp.training import checkpoint, formulation
+from jdp.training.build import BuiltRun, build_run
+from jdp.training.checkpoint import Checkpoints
+from jdp.training.config import TrainConfig
 from jdp.training.guards import Guards
 from jdp.training.hooks import EpochRecord, Hooks
-from jdp.training.tally import place_tally
 from jdp.types import PyTree
 
 
@@ -76,6 +78,7 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
     hooks.check(config, last_step)
     job = faults.JobWatch(guards.collective_timeout, guards.on_lost)  # a no-op with one process
     keeper, state, data_key = run.start(dataset, checkpoints, guards.check_replicas, job)
+    after_call = hooks.after_call(keeper)
     step, model_of = run.loop_step(lambda: keeper.step, last_step, hooks.profile, hooks.stopwatch)
     traceable = run.strategy.inside and not run.sync.local and hooks.stopwatch is None
     auto = config.steps_per_call == AUTO and several_steps_per_call(traceable, config.backend) and hooks.profile is None
@@ -83,7 +86,6 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
     run_epoch = make_epoch_runner(step, dataset.train, devices, config.batch_size, config.backend,
                                   plan=CallPlan(per_call, traceable), params_kind=run.sync.params_kind)
     evaluate = make_epoch_evaluator(run.model, run.devices, config.backend, on_all_devices=config.eval_on == "all")
-    after_call = hooks.after_call(keeper)
     if hooks.profile is not None:
         hooks.profile.at(keeper.step, state)
     leaves = len(jax.tree.leaves(state[0]))
@@ -94,7 +96,7 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
             timing = auto and per_call == 1  # the calls are timed only while auto has not chosen
             (*state, _), losses = run_epoch((*state, tally), jax.random.fold_in(data_key, epoch), hooks.progress,
                                             start=keeper.batches_done,
-                                            after_call=_timed(after_call, paced) if timing else after_call,
+                                            after_call=timed_calls(after_call, paced) if timing else after_call,
                                             steps_per_call=per_call)
             seconds = time.perf_counter() - start
             if hooks.on_steps is not None:
@@ -103,13 +105,14 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
             state, test_acc = evaluate(tuple(state), model_of, dataset.test)
             record = EpochRecord(epoch, train_loss=float(keeper.epoch_loss()) / (steps_per_epoch * config.batch_size),
                                  test_acc=test_acc, seconds=seconds, syncs=run.sync.syncs(keeper.step, last_step),
-                                 process_step_s=_step_seconds_everywhere(job, seconds / steps_run),
+                                 process_step_s=per_process(np.float64(seconds / steps_run)).tolist() if job.active
+                                 else None,  # every process's seconds per step (a collective: every process calls it)
                                  steps_per_call=per_call)
             keeper.end_epoch(state, dataclasses.asdict(record), last=epoch == config.epochs)
             hooks.on_epoch(record)
             if timing:  # chosen once, from a timed epoch; the grouping changes no result
                 every = None if checkpoints is None else checkpoints.checkpoint_every  # saved at call boundaries
-                per_call = auto_steps_per_call(_steady_step_seconds(paced), most=every or MAX_AUTO_STEPS)
+                per_call = auto_steps_per_call(steady_step_seconds(paced), most=every or MAX_AUTO_STEPS)
         final = fetch(model_of(state), "replicated", config.backend)  # a local run ends with a sync: one model
         return final, [EpochRecord(**r) for r in keeper.history]
     except (RuntimeError, ValueError) as e:  # JaxRuntimeError, or ValueError from process_allgather
@@ -119,35 +122,3 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
     finally:
         job.close()
 
-
-def step_losses(losses: list[jax.Array]) -> np.ndarray:
-    """The summed loss of each step, from the per-device losses of each call ((k,) or (k, S)): one read."""
-    if not losses:
-        return np.zeros(0, np.float32)
-    return to_host(jnp.concatenate([loss.reshape(len(loss), -1) for loss in losses], axis=1)).sum(axis=0)
-
-
-def _step_seconds_everywhere(job: faults.JobWatch, mine: float) -> list[float] | None:
-    """Every process's seconds per step in process order (a collective: every process calls it); None with
-    one process. A slowed job shows here (history.json)."""
-    return per_process(np.float64(mine)).tolist() if job.active else None
-
-
-def _timed(after_call: Callable[[int, tuple], None], paced: list[tuple[float, int]]) -> Callable[[int, tuple], None]:
-    """`after_call`, also noting in `paced` when each call's dispatch returned and how many steps it ran."""
-
-    def timed(steps: int, carry: tuple) -> None:
-        after_call(steps, carry)
-        paced.append((time.perf_counter(), steps))
-
-    return timed
-
-
-def _steady_step_seconds(paced: list[tuple[float, int]], skipped: int = 2, least: int = 8) -> float:
-    """Seconds per step of an epoch's calls after the first `skipped` (they compile), from `paced` (`_timed`):
-    at most 2 calls are in flight, so dispatches return at the pace the devices finish them. Infinite with
-    fewer than `least` calls to time."""
-    if len(paced) < skipped + least:
-        return float("inf")
-    (first, _), (last, _) = paced[skipped - 1], paced[-1]
-    return (last - first) / sum(steps for _, steps in paced[skipped:])

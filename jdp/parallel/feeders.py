@@ -9,7 +9,7 @@ device per step; the only host syncs are the bounded in-flight window (`jdp.para
 CPU the S steps are unrolled in the program: XLA's CPU backend runs the convolutions inside a while
 loop many times slower than outside one (docs/performance.md). Elsewhere (a GPU) they are a
 `lax.scan`, whose compile time does not grow with S. Each call also folds its losses and a finite
-check into the run's tally on the devices (`jdp.training.tally`), in the same compiled call where it can:
+check into the run's tally on the devices (`jdp.parallel.tally`), in the same compiled call where it can:
 nothing is read back per step.
 
 When the set does not fit, or the step is mapped with `shard_map` or spans several processes,
@@ -21,6 +21,7 @@ the last partial batch dropped, device i receiving rows [i·B/k, (i+1)·B/k) of 
 """
 
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -40,10 +41,11 @@ from jdp.parallel.layout import (
     process_rows,
     replicate,
     split_batch,
+    to_host,
 )
 from jdp.parallel.step import TrainStep
+from jdp.parallel.tally import Fold, Tally, make_fold
 from jdp.runtime.devices import AXIS
-from jdp.training.tally import Fold, Tally, make_fold
 from jdp.types import PyTree
 
 AUTO = "auto"  # steps_per_call chosen from the measured time of a step (`auto_steps_per_call`)
@@ -100,6 +102,33 @@ def auto_steps_per_call(step_seconds: float, most: int = MAX_AUTO_STEPS) -> int:
     while 2 * steps <= min(most, MAX_AUTO_STEPS) and 2 * steps * step_seconds <= CALL_SECONDS:
         steps *= 2
     return steps
+
+
+def timed_calls(after_call: AfterCall, paced: list[tuple[float, int]]) -> AfterCall:
+    """`after_call`, also noting in `paced` when each call's dispatch returned and how many steps it ran."""
+
+    def timed(steps: int, carry: tuple) -> None:
+        after_call(steps, carry)
+        paced.append((time.perf_counter(), steps))
+
+    return timed
+
+
+def steady_step_seconds(paced: list[tuple[float, int]], skipped: int = 2, least: int = 8) -> float:
+    """Seconds per step of an epoch's calls after the first `skipped` (they compile), from `paced` (`timed_calls`):
+    at most 2 calls are in flight, so dispatches return at the pace the devices finish them. Infinite with
+    fewer than `least` calls to time."""
+    if len(paced) < skipped + least:
+        return float("inf")
+    (first, _), (last, _) = paced[skipped - 1], paced[-1]
+    return (last - first) / sum(steps for _, steps in paced[skipped:])
+
+
+def step_losses(losses: list[jax.Array]) -> np.ndarray:
+    """The summed loss of each step, from the per-device losses of each call ((k,) or (k, S)): one read."""
+    if not losses:
+        return np.zeros(0, np.float32)
+    return to_host(jnp.concatenate([loss.reshape(len(loss), -1) for loss in losses], axis=1)).sum(axis=0)
 
 
 def several_steps_per_call(traceable: bool, backend: Backend) -> bool:
