@@ -22,6 +22,7 @@ stateful, outside), so every device leaves it with bit-identical params. The alg
 import dataclasses
 import inspect
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import jax
@@ -300,19 +301,23 @@ def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[
         mean = None if total is None else jax.tree.map(lambda x: x / k, total)
         return sync.receive(mean, params, state, key)
 
-    def inside(key):
-        def local_sync(params, opt_state):
-            (inner, kept), state = opt.optimizer_and_strategy(opt_state), opt.sync_state(opt_state)
-            sent, total = sync.send(params, state, key), None
-            if sent is not None:
-                total, kept = reducer.reduce(sent, kept, AXIS)
-            params, state = received(total, params, state, key)
-            return params, opt.join(inner, kept, state)
+    def meeting(params, opt_state, send, reduce, receive):
+        """One meeting from its three pieces: what each device sends, the sum, what each makes of it."""
+        (inner, kept), state = opt.optimizer_and_strategy(opt_state), opt.sync_state(opt_state)
+        sent, total = send(params, state), None
+        if sent is not None:
+            total, kept = reduce(sent, kept)
+        params, state = receive(total, params, state)
+        return params, opt.join(inner, kept, state)
 
+    def inside(key):  # one mapped program: the sum is a collective in it
+        local_sync = partial(meeting, send=lambda params, state: sync.send(params, state, key),
+                             reduce=lambda sent, kept: reducer.reduce(sent, kept, AXIS),
+                             receive=lambda total, params, state: received(total, params, state, key))
         return map_over_devices(local_sync, devices, backend, ("per_device", opt.kind), ("per_device", opt.kind),
                                 donate=(0, 1))
 
-    def outside(key):
+    def outside(key):  # mapped calls around the sum, whose transfers run between them
         kinds = ("per_device", opt.sync_kind)  # the params (or what is sent), the sync's state
         if sync.sends_params:  # no call before the transfers
             p_sent = lambda params, state: params  # noqa: E731
@@ -322,16 +327,7 @@ def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[
             p_sent = lambda params, state: p_sent_call(params, state)[0]  # noqa: E731
         p_received = map_over_devices(lambda total, params, state: received(total, params, state, key), devices,
                                       backend, ("per_device", *kinds), kinds, donate=(0, 1))
-
-        def outside_sync(params, opt_state):
-            (inner, kept), state = opt.optimizer_and_strategy(opt_state), opt.sync_state(opt_state)
-            sent, total = p_sent(params, state), None
-            if sent is not None:
-                total, kept = reducer.reduce(sent, kept)  # explicit transfers between devices
-            params, state = p_received(total, params, state)
-            return params, opt.join(inner, kept, state)
-
-        return outside_sync
+        return partial(meeting, send=p_sent, reduce=reducer.reduce, receive=p_received)
 
     programs: dict[Hashable, Callable] = {}
 
