@@ -143,7 +143,8 @@ def make_train_step(loss: "LossFn | Model", optimizer: "optax.GradientTransforma
     """
     check_backend(backend)
     strategy = allreduce_lib.get(allreduce)
-    check_strategy(strategy, devices, backend)
+    check_strategy(strategy, backend)
+    check_reach(strategy, devices)
     opt = OptState(optimizer, None, len(devices), strategy=strategy)
     return _summed_step(_OnDevice.of(loss, optimizer, accumulate), opt, devices, backend, segment)
 
@@ -200,7 +201,8 @@ def make_sharded_step(loss: "LossFn | Model", optimizer: "optax.GradientTransfor
     """
     check_backend(backend)
     strategy = allreduce_lib.get(allreduce)
-    check_strategy(strategy, devices, backend, shard_optimizer=True)
+    check_strategy(strategy, backend, shard_optimizer=True)
+    check_reach(strategy, devices)
     opt = OptState(optimizer, None, len(devices), sharded=True, strategy=strategy)
     return _sharded_step(_OnDevice.of(loss, optimizer, accumulate), opt, devices, backend, segment)
 
@@ -289,30 +291,21 @@ def make_step(loss: "LossFn | Model", opt: OptState, devices: Sequence[jax.Devic
               accumulate: int = 1, segment: Segment = lambda name, fn: fn) -> TrainStep:
     """The train step that keeps the optimizer state `opt` (a run's, `jdp.training.build.build_run`): a local
     mode's (`make_local_step`), the sharded one (`make_sharded_step`) or the lesson's (`make_train_step`), with
-    `opt`'s strategy, which the caller has checked (`check_strategy`). `segment`: as `make_train_step`'s; a
-    local step has no outside calls to wrap."""
+    `opt`'s strategy, which the caller has checked (`check_strategy`, `check_reach`). `segment`: as
+    `make_train_step`'s; a local step has no outside calls to wrap."""
     if opt.local:
         return make_local_step(loss, opt, devices, backend, accumulate=accumulate)
-    check_backend(backend)
     build = _sharded_step if opt.sharded else _summed_step
     return build(_OnDevice.of(loss, opt.optimizer, accumulate), opt, devices, backend, segment)
 
 
-def check_strategy(strategy: Allreduce, devices: Sequence[jax.Device], backend: Backend,
-                   shard_optimizer: bool = False) -> None:
-    """Raises ConfigError unless the train step can run `strategy` over `devices` with `backend`.
+def check_strategy(strategy: Allreduce, backend: Backend, shard_optimizer: bool = False) -> None:
+    """Raises ConfigError unless the train step can run `strategy` with `backend` (the settings' part;
+    `check_reach` is the devices').
 
-    An "outside" strategy copies with `jax.device_put`, which reaches this process's devices only; a
-    stateful one keeps per-device state, which `shard_map`'s replicated `P()` step does not hold; the
-    sharded optimizer needs a strategy's halves, and carries no per-device strategy state.
+    A stateful strategy keeps per-device state, which `shard_map`'s replicated `P()` step does not hold;
+    the sharded optimizer needs a strategy's halves, and carries no per-device strategy state.
     """
-    if not strategy.inside and any(d.process_index != jax.process_index() for d in devices):
-        inside = ", ".join(allreduce_lib.names("inside"))
-        raise ConfigError(
-            Arg("allreduce", strategy.name), " copies buffers between devices with `jax.device_put`, which only "
-            f"reaches this process's devices, but the step spans {jax.process_count()} processes. "
-            f"Use a collective strategy instead: {inside}."
-        )
     if strategy.stateful and backend != "pmap":
         raise ConfigError(
             f"`{strategy.name}` keeps different state on each device, which ", Arg("backend", backend),
@@ -324,6 +317,18 @@ def check_strategy(strategy: Allreduce, devices: Sequence[jax.Device], backend: 
             Arg("shard_optimizer", True), " splits the allreduce into a reduce-scatter and an all-gather, which ",
             Arg("allreduce", strategy.name), f" does not provide; use one of: {halves}, "
             "or give your strategy `reduce_scatter` and `all_gather` (see `jdp.Allreduce`)."
+        )
+
+
+def check_reach(strategy: Allreduce, devices: Sequence[jax.Device]) -> None:
+    """Raises ConfigError unless `strategy` reaches all of `devices`: an "outside" strategy copies with
+    `jax.device_put`, which reaches this process's devices only."""
+    if not strategy.inside and any(d.process_index != jax.process_index() for d in devices):
+        inside = ", ".join(allreduce_lib.names("inside"))
+        raise ConfigError(
+            Arg("allreduce", strategy.name), " copies buffers between devices with `jax.device_put`, which only "
+            f"reaches this process's devices, but the step spans {jax.process_count()} processes. "
+            f"Use a collective strategy instead: {inside}."
         )
 
 

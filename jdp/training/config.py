@@ -99,7 +99,7 @@ class TrainConfig:
         if self.shard_optimizer and self.fuse:
             raise ConfigError(Arg("shard_optimizer", True), " already ravels the gradients into one buffer per dtype; "
                               "drop ", Arg("fuse"), "/", Arg("bucket_mb"), ".")
-        check_strategy(self.strategy(), [], self.backend, self.shard_optimizer)
+        check_strategy(self.strategy(), self.backend, self.shard_optimizer)
         if sync.local:
             refused = {"shard_optimizer": ((False,), "keeps one slice of identical params per device"),
                        "steps_per_call": ((1, AUTO), "runs several steps in one call, with no sync between them")}
