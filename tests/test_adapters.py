@@ -3,7 +3,6 @@ trained data-parallel with psum and with ring + a sharded optimizer they agree a
 replicas; sync BatchNorm equals one device on the full batch; the dropout key differs per device and
 step yet is reproducible and resumes bit-identically; `--model module:factory` loads them from a file."""
 
-import functools
 import os
 import shutil
 import signal
@@ -19,6 +18,7 @@ import optax
 import pytest
 from adapter_models import LinenMLP, NnxCNN, equinox_mlp, make_equinox_mlp, make_linen_mlp, make_nnx_cnn
 from flax import nnx
+from reference import small_set
 
 import jdp
 from jdp import models
@@ -29,12 +29,6 @@ from jdp.training import checkpoint
 from jdp.training.config import TrainConfig, checkpoint_target
 
 MODELS = Path(__file__).with_name("adapter_models.py")
-
-
-@functools.cache
-def small() -> jdp.Dataset:
-    """Made on first use: at import, every pytest-xdist worker would compile its random draws while collecting."""
-    return jdp.synthetic_dataset(jax.random.key(0), 128, 64)  # 4 steps per epoch at batch 32
 
 
 RUNS = {"psum": {"allreduce": "psum"}, "ring+sharded": {"allreduce": "ring", "shard_optimizer": True}}
@@ -65,7 +59,7 @@ def runs():
 
     def run(library, name):
         if (library, name) not in cache:
-            cache[library, name] = jdp.train(config(adapted(library), **RUNS[name]), small(), jax.devices()[:2],
+            cache[library, name] = jdp.train(config(adapted(library), **RUNS[name]), small_set(128, 64), jax.devices()[:2],
                                              guards=jdp.Guards(check_replicas=1))
         return cache[library, name]
 
@@ -99,7 +93,7 @@ def test_adapted_model_trains_alike_with_psum_and_ring_with_a_sharded_optimizer(
 def test_adapted_nnx_model_trains_alike_with_every_strategy_and_backend(options, runs):
     """Outside strategies (copies between mapped calls), shard_map's layout and chunked calls carry the state too."""
     want, _ = runs("nnx", "psum")
-    got, _ = jdp.train(config(make_nnx_cnn(), **options), small(), jax.devices()[:2],
+    got, _ = jdp.train(config(make_nnx_cnn(), **options), small_set(128, 64), jax.devices()[:2],
                        guards=jdp.Guards(check_replicas=1))
     assert max_relative_difference(got, want) < 1e-4
 
@@ -108,21 +102,21 @@ def test_per_replica_batchnorm_keeps_each_devices_statistics_and_trains_with_rep
     per_replica, sync = make_nnx_cnn(batchnorm="per-replica"), make_nnx_cnn()
     assert per_replica.per_replica_state and not sync.per_replica_state
     variables = jdp.replicate(sync.init(jax.random.key(0)), devices[:2])
-    x, y = small().train.images[:16].reshape(2, 8, 1, 28, 28), small().train.labels[:16].reshape(2, 8)
+    x, y = small_set(128, 64).train.images[:16].reshape(2, 8, 1, 28, 28), small_set(128, 64).train.labels[:16].reshape(2, 8)
     new = {name: jax.pmap(model.loss, axis_name=AXIS, devices=devices[:2])(variables["params"], variables["state"],
                                                                            x, y)[1]["model"]
            for name, model in [("per-replica", per_replica), ("sync", sync)]}
     spread = lambda state: max(float(np.abs(a[0] - a[1]).max()) for a in jax.tree.leaves(state))  # noqa: E731
     assert spread(new["sync"]) == 0 and spread(new["per-replica"]) > 1e-4  # momentum 0.9: 10% of a step
     # params and key stay replicated
-    jdp.train(config(per_replica, epochs=1), small(), devices[:2], guards=jdp.Guards(check_replicas=1))
+    jdp.train(config(per_replica, epochs=1), small_set(128, 64), devices[:2], guards=jdp.Guards(check_replicas=1))
 
 
 def test_sync_batchnorm_on_two_devices_equals_one_device_on_the_full_batch():
     """With dropout off, the adapted NNX net's step on 2 devices (psum) equals 1 device's on the whole batch."""
     model = jdp.from_nnx(lambda rngs: NnxCNN(rngs, dropout=0.0))
     variables = model.init(jax.random.key(0))
-    images, labels = small().train.images[:16], small().train.labels[:16]
+    images, labels = small_set(128, 64).train.images[:16], small_set(128, 64).train.labels[:16]
 
     def grads(devices, x, y):
         step = jax.pmap(jax.grad(model.loss, has_aux=True), axis_name=AXIS, devices=devices)
@@ -144,8 +138,8 @@ def test_dropout_key_differs_per_device_and_step_and_is_reproducible(library):
     variables = model.init(jax.random.key(0))
     devices = jax.devices()[:2]
     losses = jax.pmap(model.loss, axis_name=AXIS, devices=devices)
-    x = np.broadcast_to(small().train.images[:8], (2, 8, 1, 28, 28))
-    y = np.broadcast_to(small().train.labels[:8], (2, 8))
+    x = np.broadcast_to(small_set(128, 64).train.images[:8], (2, 8, 1, 28, 28))
+    y = np.broadcast_to(small_set(128, 64).train.labels[:8], (2, 8))
     both = jdp.replicate(variables, devices)
     first, state = losses(both["params"], both["state"], x, y)
     again, _ = losses(both["params"], both["state"], x, y)
@@ -154,19 +148,19 @@ def test_dropout_key_differs_per_device_and_step_and_is_reproducible(library):
     np.testing.assert_array_equal(first, again)  # reproducible from the state
     assert not np.any(np.asarray(second) == np.asarray(first)), "the key did not advance with the step"
     assert np.array_equal(*np.asarray(state["rng"]))  # the carried key is the same on every device
-    logits = jax.jit(model.apply)(variables, small().test.images[:8])
-    np.testing.assert_array_equal(logits, jax.jit(model.apply)(variables, small().test.images[:8]))  # no dropout
+    logits = jax.jit(model.apply)(variables, small_set(128, 64).test.images[:8])
+    np.testing.assert_array_equal(logits, jax.jit(model.apply)(variables, small_set(128, 64).test.images[:8]))  # no dropout
 
 
 def test_resumed_mid_epoch_equals_uninterrupted_bit_for_bit(tmp_path, devices):
     """NNX with BatchNorm and dropout: a run stopped at step 6 of 8 and resumed ends with the same bits."""
     cfg = config(make_nnx_cnn())
-    whole, _ = jdp.train(cfg, small(), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "whole", checkpoint_every=3))
+    whole, _ = jdp.train(cfg, small_set(128, 64), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "whole", checkpoint_every=3))
     shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
     for later in checkpoint.list_checkpoints(tmp_path / "resumed")[:-1]:  # keep step 6's checkpoint only
         later.unlink()
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "resumed")] == ["checkpoint-000000006.msgpack"]
-    resumed, _ = jdp.train(cfg, small(), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "resumed", resume=True))
+    resumed, _ = jdp.train(cfg, small_set(128, 64), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "resumed", resume=True))
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
@@ -180,7 +174,7 @@ def test_nnx_variables_outside_the_trainable_filter_are_carried_unchanged(device
     step = jdp.make_train_step(model, optimizer, "psum", devices[:2])
     variables = jdp.replicate(init, devices[:2])
     opt_state = jdp.replicate(optimizer.init(init["params"]), devices[:2])
-    variables, _, _ = step(variables, opt_state, *jdp.split_batch(small().train.images[:16], small().train.labels[:16],
+    variables, _, _ = step(variables, opt_state, *jdp.split_batch(small_set(128, 64).train.images[:16], small_set(128, 64).train.labels[:16],
                                                                    devices[:2]))
     got = jdp.unreplicate(variables)
     np.testing.assert_array_equal(got["state"]["model"]["conv"]["kernel"], init["state"]["model"]["conv"]["kernel"])
@@ -199,10 +193,10 @@ def test_loss_given_by_the_user_replaces_the_default():
     variables = model.init(jax.random.key(0))
     loss = jax.pmap(model.loss, axis_name=AXIS, devices=jax.devices()[:1])
     both = jdp.replicate(variables, jax.devices()[:1])
-    value, _ = loss(both["params"], both["state"], small().train.images[None, :4], small().train.labels[None, :4])
-    logits = model.apply(variables, small().train.images[:4])  # BatchNorm in inference mode differs from training
+    value, _ = loss(both["params"], both["state"], small_set(128, 64).train.images[None, :4], small_set(128, 64).train.labels[None, :4])
+    logits = model.apply(variables, small_set(128, 64).train.images[:4])  # BatchNorm in inference mode differs from training
     assert calls == [(4, 10)] and float(value[0]) != pytest.approx(float(models.adapters.summed_softmax_cross_entropy(
-        logits, small().train.labels[:4])))
+        logits, small_set(128, 64).train.labels[:4])))
 
 
 def test_integer_state_passes_through_the_per_replica_average(devices):

@@ -1,5 +1,4 @@
 import dataclasses
-import functools
 import logging
 import os
 import shutil
@@ -13,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 from optax import sgd
+from reference import small_set
 
 import jdp
 from jdp import data
@@ -234,12 +234,6 @@ def test_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one(run, 
     assert len(checkpoint.list_checkpoints(killed)) == checkpoint.KEEP
 
 
-@functools.cache
-def small() -> jdp.Dataset:
-    """Made on first use: at import, every pytest-xdist worker would compile its random draws while collecting."""
-    return data.synthetic(jax.random.key(0), n_train=128, n_test=32)
-
-
 CONFIG = TrainConfig(batch_size=16, lr=0.1, epochs=1, seed=0)
 
 
@@ -247,7 +241,7 @@ CONFIG = TrainConfig(batch_size=16, lr=0.1, epochs=1, seed=0)
 def one_epoch(tmp_path_factory):
     """A checkpoint directory holding the end of a 1-epoch run of CONFIG on 2 devices (8 steps)."""
     folder = tmp_path_factory.mktemp("one_epoch")
-    train(CONFIG, small(), jax.devices()[:2], checkpoints=jdp.Checkpoints(folder))
+    train(CONFIG, small_set(128), jax.devices()[:2], checkpoints=jdp.Checkpoints(folder))
     return folder
 
 
@@ -255,10 +249,10 @@ def test_resume_refuses_another_batch_size_seed_or_dataset(one_epoch, tmp_path, 
     shutil.copytree(one_epoch, tmp_path, dirs_exist_ok=True)
     other = data.synthetic(jax.random.key(1), n_train=128, n_test=32)
     for config, dataset, k, message in [
-        (dataclasses.replace(CONFIG, batch_size=32), small(), 2, "`batch_size=32` differs from the checkpoint's 16"),
-        (dataclasses.replace(CONFIG, seed=1), small(), 2, "`seed=1` differs from the checkpoint's 0"),
+        (dataclasses.replace(CONFIG, batch_size=32), small_set(128), 2, "`batch_size=32` differs from the checkpoint's 16"),
+        (dataclasses.replace(CONFIG, seed=1), small_set(128), 2, "`seed=1` differs from the checkpoint's 0"),
         (CONFIG, other, 2, "was written for another dataset"),
-        (CONFIG, small(), 3, "divisible by the number of devices"),  # as for a fresh run
+        (CONFIG, small_set(128), 3, "divisible by the number of devices"),  # as for a fresh run
     ]:
         with pytest.raises(ConfigError, match=message):
             train(dataclasses.replace(config, epochs=2), dataset, devices[:k],
@@ -270,10 +264,10 @@ def test_resume_refuses_another_batch_size_seed_or_dataset(one_epoch, tmp_path, 
 def test_resume_on_another_device_count_continues_the_same_math(one_epoch, tmp_path, devices, caplog):
     """Each device sums its shard's gradients, the allreduce sums those, the update divides by the FULL batch:
     the update is the same for any device count dividing the batch, up to float rounding order."""
-    whole, _ = train(dataclasses.replace(CONFIG, epochs=2), small(), devices[:2])
+    whole, _ = train(dataclasses.replace(CONFIG, epochs=2), small_set(128), devices[:2])
     shutil.copytree(one_epoch, tmp_path, dirs_exist_ok=True)
     with caplog.at_level(logging.INFO, logger="jdp"):
-        resumed, history = train(dataclasses.replace(CONFIG, epochs=2), small(), devices[:4],
+        resumed, history = train(dataclasses.replace(CONFIG, epochs=2), small_set(128), devices[:4],
                                  checkpoints=jdp.Checkpoints(tmp_path, resume=True))
     assert "resuming on 4 devices instead of the checkpoint's 2: each update is the same sum" in caplog.text
     assert [r.epoch for r in history] == [1, 2]
@@ -284,9 +278,9 @@ def test_resume_on_another_device_count_continues_the_same_math(one_epoch, tmp_p
 def test_a_resumed_epoch_skips_exactly_the_batches_done(devices):
     """The host-fed pipelines (single- and multi-process) resume an epoch at batch `skip` of the same order."""
     key = jax.random.key(3)
-    whole = list(pipeline.epoch_batches(small().train, 16, key))
-    for batches in (pipeline.epoch_batches(small().train, 16, key, skip=3),
-                    pipeline.epoch_batches(small().train, 16, key, skip=3, rows=layout.process_rows(16, devices[:2]))):
+    whole = list(pipeline.epoch_batches(small_set(128).train, 16, key))
+    for batches in (pipeline.epoch_batches(small_set(128).train, 16, key, skip=3),
+                    pipeline.epoch_batches(small_set(128).train, 16, key, skip=3, rows=layout.process_rows(16, devices[:2]))):
         rest = list(batches)
         assert len(rest) == len(whole) - 3
         for (x, y), (x0, y0) in zip(rest, whole[3:], strict=True):

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from reference import small_set
 
 import jdp
-from jdp import data
 from jdp.errors import ConfigError
 from jdp.parallel import compress
 from jdp.parallel.layout import sharded
@@ -154,12 +154,6 @@ def tiny_model() -> jdp.Model:
     return jdp.Model(init, jdp.summed_cross_entropy(apply), apply, name="mlp")
 
 
-@functools.cache
-def small() -> jdp.Dataset:
-    """Made on first use: at import, every pytest-xdist worker would compile its random draws while collecting."""
-    return data.synthetic(jax.random.key(0), n_train=128, n_test=32)
-
-
 CONFIG = TrainConfig(batch_size=16, lr=0.1, epochs=1, model=tiny_model())
 WRAPPERS = [("bf16", None), ("fp16", None), ("powersgd", 2), ("bf16-wire", None)]
 FAST = {("psum", "powersgd"), ("manual", "bf16"), ("ring", "bf16-wire")}
@@ -181,13 +175,13 @@ def combinations():
 def test_replicas_stay_bit_identical(name, mode, rank, fuse, devices):
     config = dataclasses.replace(CONFIG, allreduce=name, compress=mode, powersgd_rank=rank, fuse=fuse)
     # raises TrainingError on any difference
-    _, history = train(config, small(), devices[:K], guards=jdp.Guards(check_replicas=1))
+    _, history = train(config, small_set(128), devices[:K], guards=jdp.Guards(check_replicas=1))
     assert np.isfinite(history[-1].train_loss)
 
 
 def test_powersgd_refuses_shard_map_and_ranks_without_it():
     with pytest.raises(ConfigError, match="keeps different state on each device.*Use `backend=pmap`"):
-        train(dataclasses.replace(CONFIG, compress="powersgd", backend="shard_map"), small(), jax.devices()[:2])
+        train(dataclasses.replace(CONFIG, compress="powersgd", backend="shard_map"), small_set(128), jax.devices()[:2])
     with pytest.raises(ConfigError, match="`powersgd_rank=2` applies to `compress=powersgd` only"):
         dataclasses.replace(CONFIG, compress="bf16", powersgd_rank=2)
     with pytest.raises(ConfigError, match="`powersgd_rank` must be a positive integer, got 0"):
@@ -206,11 +200,11 @@ def test_payload_bytes_count_what_is_sent():
 def test_a_resumed_powersgd_run_is_bit_identical_to_an_uninterrupted_one(tmp_path, devices):
     """The error state is per device and saved whole: resuming mid-epoch continues the same arithmetic."""
     config = dataclasses.replace(CONFIG, compress="powersgd", powersgd_rank=1, epochs=2)
-    train(config, small(), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "whole", checkpoint_every=3))
-    train(dataclasses.replace(config, epochs=1), small(), devices[:2],
+    train(config, small_set(128), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "whole", checkpoint_every=3))
+    train(dataclasses.replace(config, epochs=1), small_set(128), devices[:2],
           checkpoints=jdp.Checkpoints(tmp_path / "cut", checkpoint_every=3))
     checkpoint.list_checkpoints(tmp_path / "cut")[0].unlink()  # the end of epoch 1 is lost: resume from step 6
-    train(config, small(), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "cut", checkpoint_every=3, resume=True))
+    train(config, small_set(128), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "cut", checkpoint_every=3, resume=True))
     target = checkpoint_target(config, device_count=2)
     whole, cut = (checkpoint.restore_latest(tmp_path / d, target) for d in ("whole", "cut"))
     assert whole.step == cut.step == 16
@@ -225,18 +219,18 @@ def test_a_resumed_powersgd_run_is_bit_identical_to_an_uninterrupted_one(tmp_pat
 def test_a_powersgd_checkpoint_is_refused_by_the_setting_that_changed_its_arrays(tmp_path, devices):
     """PowerSGD's error state is saved once per device: another device count or strategy is named as such."""
     config = dataclasses.replace(CONFIG, compress="powersgd", powersgd_rank=1)
-    train(config, small(), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "powersgd", checkpoint_every=3))
+    train(config, small_set(128), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "powersgd", checkpoint_every=3))
     with pytest.raises(ConfigError, match=r"holds `compress=powersgd`'s state for each of 2 devices; this run "
                                           r"has 4\. Resume on 2 devices"):
-        train(config, small(), devices[:4], checkpoints=jdp.Checkpoints(tmp_path / "powersgd", resume=True))
+        train(config, small_set(128), devices[:4], checkpoints=jdp.Checkpoints(tmp_path / "powersgd", resume=True))
     plain = dataclasses.replace(config, compress="none", powersgd_rank=None)
     with pytest.raises(ConfigError, match=r"This run's allreduce \(`allreduce=psum`\) keeps no state per device, "
                                           r"the checkpoint's \(`compress=powersgd`\) does:"):
-        train(plain, small(), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "powersgd", resume=True))
-    train(plain, small(), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "plain", checkpoint_every=3))
+        train(plain, small_set(128), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "powersgd", resume=True))
+    train(plain, small_set(128), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "plain", checkpoint_every=3))
     with pytest.raises(ConfigError, match=r"\(`compress=powersgd`\) keeps state per device, the checkpoint's "
                                           r"\(`allreduce=psum`\) does not:"):
-        train(config, small(), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "plain", resume=True))
+        train(config, small_set(128), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "plain", resume=True))
 
 
 ROUNDS_UNDER_FLAGS = """

@@ -1,6 +1,5 @@
 """`--precision bf16`: bfloat16 forward/backward, float32 params, loss, gradients, allreduce and checkpoints."""
 
-import functools
 import shutil
 
 import jax
@@ -8,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from reference import small_set
 
 import jdp
-from jdp import data
 from jdp.errors import ConfigError
 from jdp.models import get as get_model
 from jdp.models import lenet, precision
@@ -106,19 +105,13 @@ def test_shard_map_backend_matches_pmap_in_bf16(devices):
                                np.asarray(jdp.unreplicate(mapped, "shard_map")["W1"]), rtol=1e-5, atol=1e-7)
 
 
-@functools.cache
-def small() -> jdp.Dataset:
-    """Made on first use: at import, every pytest-xdist worker would compile its random draws while collecting."""
-    return data.synthetic(jax.random.key(3), n_train=256, n_test=64)
-
-
 def config(**changes):
     return TrainConfig(**{"batch_size": 64, "lr": 0.1, "epochs": 2, "precision": "bf16", **changes})
 
 
 @pytest.mark.parametrize("model", ["lenet", pytest.param("lenet_flax", marks=pytest.mark.slow)])
 def test_trains_with_replicas_bit_identical_and_float32_params(model, devices):
-    params, history = train(config(model=model), small(), devices[:2], guards=jdp.Guards(check_replicas=1))
+    params, history = train(config(model=model), small_set(256, 64, seed=3), devices[:2], guards=jdp.Guards(check_replicas=1))
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params))
     assert all(np.isfinite(r.train_loss) for r in history)
 
@@ -127,14 +120,14 @@ def test_trains_with_replicas_bit_identical_and_float32_params(model, devices):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("backend", ["pmap", "shard_map"])
 def test_every_strategy_and_backend_trains_in_bf16(strategy, backend, devices):
-    _, history = train(config(allreduce=strategy, backend=backend), small(), devices[:2],
+    _, history = train(config(allreduce=strategy, backend=backend), small_set(256, 64, seed=3), devices[:2],
                        guards=jdp.Guards(check_replicas=1))
     assert all(np.isfinite(r.train_loss) for r in history)
 
 
 @pytest.mark.slow
 def test_resnet18_trains_in_bf16_with_float32_batch_statistics(devices):
-    variables, history = train(config(model="resnet18", epochs=1), small(), devices[:2],
+    variables, history = train(config(model="resnet18", epochs=1), small_set(256, 64, seed=3), devices[:2],
                                guards=jdp.Guards(check_replicas=1))
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(variables))
     assert np.isfinite(history[0].train_loss)
@@ -143,12 +136,12 @@ def test_resnet18_trains_in_bf16_with_float32_batch_statistics(devices):
 @pytest.mark.slow  # fast sibling: test_trains_with_replicas_bit_identical_and_float32_params (what is saved)
 def test_resume_is_bit_identical_in_bf16(devices, tmp_path):
     full, resumed_dir = tmp_path / "full", tmp_path / "resumed"
-    want, history = train(config(epochs=2), small(), devices[:2], checkpoints=jdp.Checkpoints(full, checkpoint_every=3))
+    want, history = train(config(epochs=2), small_set(256, 64, seed=3), devices[:2], checkpoints=jdp.Checkpoints(full, checkpoint_every=3))
     first = sorted(full.glob("checkpoint-*.msgpack"))[0]  # the older of the two kept: step 6 of 8, mid-epoch 2
     assert first.name == "checkpoint-000000006.msgpack", first
     resumed_dir.mkdir()
     shutil.copy2(first, resumed_dir / first.name)
-    got, resumed = train(config(epochs=2), small(), devices[:2], checkpoints=jdp.Checkpoints(resumed_dir, resume=True))
+    got, resumed = train(config(epochs=2), small_set(256, 64, seed=3), devices[:2], checkpoints=jdp.Checkpoints(resumed_dir, resume=True))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert [r.train_loss for r in resumed] == [r.train_loss for r in history]

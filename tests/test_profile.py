@@ -16,7 +16,8 @@ from jdp.cli.main import main as jdp_main
 from jdp.errors import ConfigError
 from jdp.training import profile
 from jdp.training.loop import TrainConfig, train
-from test_compress import small, tiny_model
+from reference import small_set
+from test_compress import tiny_model
 
 
 def write_trace(path, events):
@@ -55,7 +56,7 @@ def test_profile_steps_must_be_a_window_of_the_run():
         with pytest.raises(ConfigError, match=f"`profile_steps={bad}` must be A:B with 1 <= A <= B"):
             profile.parse_steps(bad)
     with pytest.raises(ConfigError, match="`profile_steps=3:20` goes past the run's 8 steps; choose B <= 8"):
-        train(TrainConfig(batch_size=16, epochs=1, model=tiny_model()), small(), jax.devices()[:2],
+        train(TrainConfig(batch_size=16, epochs=1, model=tiny_model()), small_set(128), jax.devices()[:2],
               hooks=jdp.Hooks(profile=profile.Profiler("unused", 3, 20, 2, jdp.get_allreduce("psum"))))
 
 
@@ -63,7 +64,7 @@ def test_profile_steps_must_be_a_window_of_the_run():
 def test_a_profiled_run_writes_a_trace_and_its_breakdown(name, tmp_path, devices):
     config = dataclasses.replace(TrainConfig(batch_size=16, epochs=1, model=tiny_model()), allreduce=name)
     profiler = profile.Profiler(tmp_path, 2, 5, 2, config.strategy())
-    train(config, small(), devices[:2], hooks=jdp.Hooks(profile=profiler))
+    train(config, small_set(128), devices[:2], hooks=jdp.Hooks(profile=profiler))
     b = profiler.breakdown
     assert b.steps == 4 and b.source == ("trace" if name == "psum" else "segments")
     assert b.compute_ms > 0 and b.communication_ms > 0

@@ -2,16 +2,15 @@
 fragments of 1/F of the model; the quantized wire's round trip and sum; resume mid-interval; bad settings."""
 
 import dataclasses
-import functools
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import small_set
 
 import jdp
-from jdp import data
 from jdp.cli import main as cli
 from jdp.errors import ConfigError
 from jdp.parallel import compress, streaming
@@ -22,17 +21,11 @@ from jdp.training.config import TrainConfig, checkpoint_target, payload_bytes
 from jdp.training.loop import train
 
 
-@functools.cache
-def small() -> jdp.Dataset:
-    """Made on first use: at import, every pytest-xdist worker would compile its random draws while collecting."""
-    return data.synthetic(jax.random.key(0), n_train=256, n_test=32)
-
-
 BASE = TrainConfig(batch_size=32, lr=0.1, epochs=2, seed=0, optimizer="momentum")  # 16 steps
 
 
 def run(devices, k=4, **settings):
-    return train(dataclasses.replace(BASE, **settings), small(), devices[:k], guards=jdp.Guards(check_replicas=1))
+    return train(dataclasses.replace(BASE, **settings), small_set(256), devices[:k], guards=jdp.Guards(check_replicas=1))
 
 
 def assert_bit_identical(a, b):
@@ -229,12 +222,12 @@ def test_streaming_resumed_mid_interval_ends_bit_identical(tmp_path, devices):
     due at 7): resumed, the run ends with the same params and history as an uninterrupted one, bit for bit."""
     config = dataclasses.replace(BASE, epochs=1, sync="streaming-diloco", sync_every=8, fragments=4, sync_delay=1,
                                  outer_dtype="int8", error_feedback=True)
-    whole, whole_history = train(dataclasses.replace(config, epochs=2), small(), devices[:4])
-    train(config, small(), devices[:4], checkpoints=jdp.Checkpoints(tmp_path, checkpoint_every=3))  # 3, 6, 8
+    whole, whole_history = train(dataclasses.replace(config, epochs=2), small_set(256), devices[:4])
+    train(config, small_set(256), devices[:4], checkpoints=jdp.Checkpoints(tmp_path, checkpoint_every=3))  # 3, 6, 8
     newest = checkpoint.list_checkpoints(tmp_path)[0]
     assert newest.name == "checkpoint-000000008.msgpack"
     newest.unlink()
-    resumed, history = train(dataclasses.replace(config, epochs=2), small(), devices[:4],
+    resumed, history = train(dataclasses.replace(config, epochs=2), small_set(256), devices[:4],
                              checkpoints=jdp.Checkpoints(tmp_path, resume=True))
     assert_bit_identical(whole, resumed)
     assert [dataclasses.replace(r, seconds=0, steps_per_call=1) for r in history] == \

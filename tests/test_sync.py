@@ -2,15 +2,14 @@
 after every sync with every strategy, the state they add (checkpoints, resume), bytes, and bad settings."""
 
 import dataclasses
-import functools
 import json
 
 import jax
 import numpy as np
 import pytest
+from reference import small_set
 
 import jdp
-from jdp import data
 from jdp.cli import main as cli
 from jdp.errors import ConfigError
 from jdp.parallel import layout
@@ -22,17 +21,11 @@ from jdp.training.config import TrainConfig, checkpoint_target
 from jdp.training.loop import train
 
 
-@functools.cache
-def small() -> jdp.Dataset:
-    """Made on first use: at import, every pytest-xdist worker would compile its random draws while collecting."""
-    return data.synthetic(jax.random.key(0), n_train=256, n_test=32)
-
-
 BASE = TrainConfig(batch_size=32, lr=0.1, epochs=1, seed=0)  # 8 steps
 
 
 def run(devices, k=4, **settings):
-    return train(dataclasses.replace(BASE, **settings), small(), devices[:k], guards=jdp.Guards(check_replicas=1))
+    return train(dataclasses.replace(BASE, **settings), small_set(256), devices[:k], guards=jdp.Guards(check_replicas=1))
 
 
 def max_difference(a, b):
@@ -48,7 +41,7 @@ def assert_bit_identical(a, b):
 @pytest.fixture(scope="module")
 def every_step():
     """8 steps of the lesson's training on 4 devices: what every exactness test compares with."""
-    return train(BASE, small(), jax.devices()[:4])
+    return train(BASE, small_set(256), jax.devices()[:4])
 
 
 # ---- exactness: the local modes reduce to every-step training ------------------------------------
@@ -122,7 +115,7 @@ def test_replicas_differ_between_syncs(devices):
     own_step = make_local_step(model, opt, devices[:k])
     state = (layout.place(jax.tree.map(lambda x: np.broadcast_to(x, (k, *x.shape)), params), "per_device",
                           devices[:k]), opt.place(opt.init(params, jax.random.key(0)), devices[:k], "pmap"))
-    x, y = layout.split_batch(small().train.images[:32], small().train.labels[:32], devices[:k])
+    x, y = layout.split_batch(small_set(256).train.images[:32], small_set(256).train.labels[:32], devices[:k])
     for _ in range(2):
         state = own_step(*state, x, y)[:2]
     rows = fetch(state[0], "per_device")["W1"]
@@ -146,12 +139,12 @@ def test_diloco_resumed_mid_interval_ends_bit_identical(tmp_path, devices):
     """A checkpoint at step 6 of H = 4 (mid-interval: devices hold different params and momentum) resumes
     to the same final params and history as an uninterrupted run, bit for bit."""
     config = dataclasses.replace(BASE, sync="diloco", sync_every=4, optimizer="momentum", lr=0.05)
-    whole, whole_history = train(dataclasses.replace(config, epochs=2), small(), devices[:4])
-    train(config, small(), devices[:4], checkpoints=jdp.Checkpoints(tmp_path, checkpoint_every=3))  # saves at 3, 6, 8
+    whole, whole_history = train(dataclasses.replace(config, epochs=2), small_set(256), devices[:4])
+    train(config, small_set(256), devices[:4], checkpoints=jdp.Checkpoints(tmp_path, checkpoint_every=3))  # saves at 3, 6, 8
     newest = checkpoint.list_checkpoints(tmp_path)[0]
     assert newest.name == "checkpoint-000000008.msgpack"
     newest.unlink()  # as if killed after step 6's save
-    resumed, history = train(dataclasses.replace(config, epochs=2), small(), devices[:4],
+    resumed, history = train(dataclasses.replace(config, epochs=2), small_set(256), devices[:4],
                              checkpoints=jdp.Checkpoints(tmp_path, resume=True))
     assert_bit_identical(whole, resumed)
     assert [dataclasses.replace(r, seconds=0) for r in history] == \
@@ -162,12 +155,12 @@ def test_diloco_resumed_mid_interval_ends_bit_identical(tmp_path, devices):
 
 def test_a_local_mode_resumes_only_on_the_same_device_count(tmp_path, devices):
     config = dataclasses.replace(BASE, sync="local-sgd", sync_every=4)
-    train(config, small(), devices[:4], checkpoints=jdp.Checkpoints(tmp_path))
+    train(config, small_set(256), devices[:4], checkpoints=jdp.Checkpoints(tmp_path))
     with pytest.raises(ConfigError, match="for each of 4 devices; this run has 2. Resume on 4 devices"):
-        train(dataclasses.replace(config, epochs=2), small(), devices[:2],
+        train(dataclasses.replace(config, epochs=2), small_set(256), devices[:2],
               checkpoints=jdp.Checkpoints(tmp_path, resume=True))
     with pytest.raises(ConfigError, match="This run has `sync=every-step` but the checkpoint has `sync=local-sgd`"):
-        train(dataclasses.replace(BASE, epochs=2), small(), devices[:4],
+        train(dataclasses.replace(BASE, epochs=2), small_set(256), devices[:4],
               checkpoints=jdp.Checkpoints(tmp_path, resume=True))
 
 

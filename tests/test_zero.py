@@ -2,7 +2,6 @@
 device on the whole batch, replicas bit-identical, the state really split, and planted bugs caught."""
 
 import dataclasses
-import functools
 import json
 import logging
 
@@ -12,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from reference import LOSS, assert_replicas_identical
+from reference import LOSS, assert_replicas_identical, small_set
 
 import jdp
 from jdp import data
@@ -241,16 +240,16 @@ def test_an_optax_optimizer_of_your_own_trains_as_the_built_in_of_the_same_math(
     """`optimizer=` an optax object: the same run, bit for bit, as the built-in name building that object; the
     run's record names it `own`, and its checkpoint resumes with it (and is refused with a named one)."""
     base = dataclasses.replace(SHARDED, shard_optimizer=False, epochs=1)
-    built_in, _ = train(dataclasses.replace(base, optimizer="momentum", momentum=0.8), small(), devices[:2])
+    built_in, _ = train(dataclasses.replace(base, optimizer="momentum", momentum=0.8), small_set(128), devices[:2])
     own = dataclasses.replace(base, optimizer=optax.sgd(base.lr, momentum=0.8))
-    mine, _ = train(own, small(), devices[:2], checkpoints=jdp.Checkpoints(tmp_path))
+    mine, _ = train(own, small_set(128), devices[:2], checkpoints=jdp.Checkpoints(tmp_path))
     chex.assert_trees_all_equal(mine, built_in)
     assert own.to_dict()["optimizer"] == "own"
-    resumed, _ = train(dataclasses.replace(own, epochs=2), small(), devices[:2],
+    resumed, _ = train(dataclasses.replace(own, epochs=2), small_set(128), devices[:2],
                        checkpoints=jdp.Checkpoints(tmp_path, resume=True))
     assert jax.tree.structure(resumed) == jax.tree.structure(mine)
     with pytest.raises(ConfigError, match=r"This run has `optimizer=momentum` but the checkpoint has `optimizer=own`"):
-        train(dataclasses.replace(base, optimizer="momentum", epochs=3), small(), devices[:2],
+        train(dataclasses.replace(base, optimizer="momentum", epochs=3), small_set(128), devices[:2],
               checkpoints=jdp.Checkpoints(tmp_path, resume=True))
 
 
@@ -279,12 +278,6 @@ def test_host_form_of_the_sharded_state_round_trips_on_any_device_count(devices)
 
 
 # ---- checkpoints of a sharded state --------------------------------------------------------------
-
-
-@functools.cache
-def small() -> jdp.Dataset:
-    """Made on first use: at import, every pytest-xdist worker would compile its random draws while collecting."""
-    return data.synthetic(jax.random.key(0), n_train=128, n_test=32)
 
 
 SHARDED = TrainConfig(batch_size=16, lr=1e-3, epochs=2, optimizer="adamw", shard_optimizer=True)  # 8 steps an epoch
@@ -318,12 +311,12 @@ def test_a_sharded_run_resumed_from_a_mid_run_checkpoint_ends_bit_identical(tmp_
     """Stopped at step 11 (mid epoch 2; the newest checkpoint is step 9), resumed: the final params, the
     gathered AdamW state and the history equal an uninterrupted run's, bit for bit."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    train(SHARDED, small(), devices[:4], checkpoints=jdp.Checkpoints(whole, checkpoint_every=3))
+    train(SHARDED, small_set(128), devices[:4], checkpoints=jdp.Checkpoints(whole, checkpoint_every=3))
     with pytest.raises(Killed):
-        train(SHARDED, small(), devices[:4], checkpoints=jdp.Checkpoints(killed, checkpoint_every=3),
+        train(SHARDED, small_set(128), devices[:4], checkpoints=jdp.Checkpoints(killed, checkpoint_every=3),
               hooks=jdp.Hooks(progress=killed_after(11)))
     assert checkpointed(killed).step == 9 and checkpointed(killed).info["position"]["batches_done"] == 1
-    train(SHARDED, small(), devices[:4], checkpoints=jdp.Checkpoints(killed, checkpoint_every=3, resume=True))
+    train(SHARDED, small_set(128), devices[:4], checkpoints=jdp.Checkpoints(killed, checkpoint_every=3, resume=True))
     a, b = checkpointed(whole), checkpointed(killed)
     assert a.step == b.step == 16
     for x, y in zip(jax.tree.leaves(a.arrays), jax.tree.leaves(b.arrays), strict=True):
@@ -334,10 +327,10 @@ def test_a_sharded_run_resumed_from_a_mid_run_checkpoint_ends_bit_identical(tmp_
 @pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_resharded_on_another_device_count(tmp_path, devices, caplog):
     """The checkpoint holds the state unsliced: 4 devices → 3 re-pads and re-slices it (the same math)."""
-    whole, _ = train(SHARDED, small(), devices[:4])
-    train(dataclasses.replace(SHARDED, epochs=1), small(), devices[:4], checkpoints=jdp.Checkpoints(tmp_path))
+    whole, _ = train(SHARDED, small_set(128), devices[:4])
+    train(dataclasses.replace(SHARDED, epochs=1), small_set(128), devices[:4], checkpoints=jdp.Checkpoints(tmp_path))
     with caplog.at_level(logging.INFO, logger="jdp"):
-        resumed, _ = train(SHARDED, small(), devices[:2], checkpoints=jdp.Checkpoints(tmp_path, resume=True))
+        resumed, _ = train(SHARDED, small_set(128), devices[:2], checkpoints=jdp.Checkpoints(tmp_path, resume=True))
     assert "resuming on 2 devices instead of the checkpoint's 4" in caplog.text
     chex.assert_trees_all_close(resumed, whole, rtol=RTOL, atol=ATOL)
 
@@ -348,9 +341,9 @@ def test_a_sharded_checkpoint_resumes_resharded_on_another_device_count(tmp_path
     ({"shard_optimizer": False}, r"This run has `shard_optimizer=False` but the checkpoint has `shard_optimizer=True`"),
 ])
 def test_resuming_with_another_kind_of_optimizer_state_is_refused_naming_the_flag(change, message, tmp_path, devices):
-    train(dataclasses.replace(SHARDED, epochs=1), small(), devices[:2], checkpoints=jdp.Checkpoints(tmp_path))
+    train(dataclasses.replace(SHARDED, epochs=1), small_set(128), devices[:2], checkpoints=jdp.Checkpoints(tmp_path))
     with pytest.raises(ConfigError, match=message):
-        train(dataclasses.replace(SHARDED, **change), small(), devices[:2],
+        train(dataclasses.replace(SHARDED, **change), small_set(128), devices[:2],
               checkpoints=jdp.Checkpoints(tmp_path, resume=True))
 
 
