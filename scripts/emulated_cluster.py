@@ -11,6 +11,9 @@ core, batch 128 (what each host computes per step).
 A second prediction takes as "compute" the step measured on the same cluster with NICs of 40gbit (where
 the wire is not the limit: it holds the 2-process step's own costs, α included), and adds only the
 bytes' time at RATE, b·β (α = 0: already inside).
+
+`--realtime`: the hosts' processes under the real-time round-robin scheduler (`jdp launch --realtime`), and
+the compute measured so too.
 """
 
 import argparse
@@ -51,6 +54,7 @@ def main() -> None:
     p.add_argument("--out", default="experiments/results/emulated-cluster/train", help="where the results go")
     p.add_argument("--nic-model-json", default="experiments/results/emulated-cluster/nic_model.json",
                    help="α per algorithm: the nic_model.json of `jdp bench allreduce --fit ... --nic-model --out`")
+    p.add_argument("--realtime", action="store_true", help="real-time hosts (`jdp launch --realtime`)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -58,7 +62,9 @@ def main() -> None:
     train = ["train", "--dataset", "synthetic", "--epochs", str(EPOCHS), "--no-progress", "--formulation", "fast"]
 
     one = out / "compute"
-    run(["taskset", "-c", "0", *jdp, *train, "--cpu-devices", "1", "--batch-size", str(BATCH // 2), "--out", str(one)],
+    realtime = ["--realtime"] * args.realtime
+    run([*["chrt", "--rr", "10"] * args.realtime, "taskset", "-c", "0", *jdp, *train, "--cpu-devices", "1",
+         "--batch-size", str(BATCH // 2), "--out", str(one)],
         out / "compute.log")
     compute_s_per_image = statistics.median(epoch_seconds(one / "history.json")[1:]) / TRAIN_IMAGES
 
@@ -71,8 +77,8 @@ def main() -> None:
     leaves = predict.gradient_leaf_bytes("lenet")
     def step_on_cluster(strategy: str, rate: str) -> float:
         folder = out / f"{strategy.replace(':', '-')}-{rate}"
-        run([*jdp, "launch", "--hosts", "2", "--nic", rate, "--timeout", "600", "--", "jdp", *train, "--backend",
-             "shard_map", "--batch-size", str(BATCH), "--allreduce", strategy, "--out", str(folder)],
+        run([*jdp, "launch", "--hosts", "2", "--nic", rate, *realtime, "--timeout", "600", "--", "jdp", *train,
+             "--backend", "shard_map", "--batch-size", str(BATCH), "--allreduce", strategy, "--out", str(folder)],
             out / f"{folder.name}.log")
         return statistics.median(epoch_seconds(folder / "history.json")[1:]) / (TRAIN_IMAGES // BATCH)
 
@@ -107,7 +113,8 @@ def main() -> None:
               f"{kind['host_cpus']} cores, JAX {kind['jax_version']}, Python {kind['python']}",
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "compute_ms_per_image": compute_s_per_image * 1e3, "gradient_bytes": sum(leaves), "leaves": len(leaves),
-              "batch": BATCH, "hosts": 2, "epochs": EPOCHS, "unlimited_rate": UNLIMITED, "rows": rows}
+              "batch": BATCH, "hosts": 2, "epochs": EPOCHS, "unlimited_rate": UNLIMITED,
+              "realtime_hosts": args.realtime, "rows": rows}
     (out / "train.json").write_text(json.dumps(record, indent=2) + "\n")
     table = markdown_table(
         ["NIC", "strategy", "measured step (ms)", "predicted (ms)", "of which allreduce (ms)", "error",

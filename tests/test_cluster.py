@@ -47,6 +47,10 @@ def test_plan_names_addresses_cores_and_hosts_files():
     assert p.hosts_files() == {cluster.NETNS_ETC / f"jdp-4242-h{i}" / "hosts": f"127.0.0.1 localhost\n198.18.0.{i + 1} box\n"
                                for i in range(3)}
     assert p.process_prefix(1) == ["ip", "netns", "exec", "jdp-4242-h1", "taskset", "-c", "2,3"]
+    realtime = cluster.plan(3, 10**8, realtime=True, launcher_pid=4242, cores=[0, 1, 2, 3, 4, 5], hostname="box")
+    assert realtime.process_prefix(1) == ["ip", "netns", "exec", "jdp-4242-h1", "chrt", "--rr", "10", "taskset", "-c",
+                                          "2,3"]
+    assert realtime.keep([0, 2]).realtime  # a restart without a host keeps the scheduling
     assert p.environment() == {cluster.ENV_HOSTS: "3", cluster.ENV_NIC_BPS: "100000000"}
 
 
@@ -135,6 +139,12 @@ def test_missing_privileges_say_what_is_missing():
     no_tc = cluster.missing_privileges(ROOT, {**have, "tc": None}.get)
     assert "`tc`" in no_tc and "`ip`" not in no_tc
     assert "`ip`, `tc`" in cluster.missing_privileges(0, {}.get)
+    assert cluster.missing_privileges(ROOT, have.get, realtime=True) == "an emulated cluster needs `chrt` on PATH " \
+        "(iproute2 has ip and tc, util-linux has taskset and chrt); install them, or drop `hosts`"
+    with_chrt = {**have, "chrt": "/bin/chrt"}.get
+    assert cluster.missing_privileges(ROOT | 1 << 23, with_chrt, realtime=True) is None
+    assert "`realtime` needs CAP_SYS_NICE" in cluster.missing_privileges(ROOT, with_chrt, realtime=True)
+    assert "throttle real-time tasks" in cluster.missing_privileges(ROOT | 1 << 23, with_chrt, True, "-1\n")
     assert cluster.effective_capabilities("Name:\tx\nCapEff:\t000001ffffffffff\n") == 0x1ffffffffff
 
 
@@ -161,6 +171,7 @@ def test_launch_without_root_refuses_in_one_line():
 
 def test_cluster_flags_need_hosts_and_hosts_needs_a_rate(capsys):
     for args, message in ((["--num-processes", "2", "--nic", "1gbit"], "`--nic` describes an emulated cluster"),
+                          (["--num-processes", "2", "--realtime"], "`--realtime` describes an emulated cluster"),
                           (["--hosts", "2"], "`--hosts 2` needs `--nic RATE`"),
                           (["--hosts", "2", "--nic", "fast"], "`--nic fast` is not a rate"),
                           ([], "needs `--num-processes P`")):
@@ -172,6 +183,8 @@ def test_cluster_flags_need_hosts_and_hosts_needs_a_rate(capsys):
 def test_restart_advice_repeats_the_cluster():
     p = cluster.plan(2, 10**8, cores_per_host=1, launcher_pid=1, cores=[0, 1], hostname="b")
     assert launch.cluster_flags(p) == ["--hosts", "2", "--nic", "100mbit", "--cores-per-host", "1"]
+    realtime = cluster.plan(2, 10**8, cores_per_host=1, realtime=True, launcher_pid=1, cores=[0, 1], hostname="b")
+    assert launch.cluster_flags(realtime)[-1] == "--realtime"
 
 
 # --- on this machine's kernel (root, ip, tc) --------------------------------------------------------
@@ -231,6 +244,19 @@ def test_the_cluster_is_removed_when_the_launcher_is_stopped(sig):
     assert launcher.returncode != 0
     assert ours(launcher.pid) == []
     assert not any(p.name.startswith(f"jdp-{launcher.pid}-") for p in cluster.NETNS_ETC.glob("*"))
+
+
+@pytest.mark.slow
+@needs_netns
+@pytest.mark.parametrize("realtime", [True, False])
+def test_realtime_hosts_run_under_sched_rr_and_others_time_shared(realtime):
+    report = "import os; print('round-robin:', os.sched_getscheduler(0) == os.SCHED_RR)"
+    result = run_jdp(["launch", "--hosts", "2", "--nic", "1gbit", *["--realtime"] * realtime, "--",
+                      sys.executable, "-c", report], timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert ("real-time (SCHED_RR)" in result.stderr.splitlines()[0]) == realtime, result.stderr
+    assert sorted(line for line in result.stdout.splitlines() if "round-robin" in line) == [
+        f"[p0] round-robin: {realtime}", f"[p1] round-robin: {realtime}"], result.stdout
 
 
 @pytest.mark.slow

@@ -166,7 +166,7 @@ def test_a_restart_leaves_out_the_hosts_that_do_not_answer_down_to_min_hosts(mon
     (["--hosts", "2", "--nic", "1gbit", "--max-restarts", "1", "--min-hosts", "3"], "`--min-hosts 3` must be between 1"),
 ])
 def test_min_hosts_needs_a_cluster_restarts_and_a_count_it_has(flags, message, capsys, monkeypatch):
-    monkeypatch.setattr(cluster, "check_privileges", lambda: None)
+    monkeypatch.setattr(cluster, "check_privileges", lambda realtime=False: None)
     assert cli.main(["launch", *flags, "--", "jdp", "train", "--checkpoint-dir", "c"]) == 2
     assert message in capsys.readouterr().err
 

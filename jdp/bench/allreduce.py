@@ -19,6 +19,7 @@ together, and `--hold-out K` leaves count K out of the fit and reports how well 
 import argparse
 import json
 import math
+import os
 import re
 import statistics
 import time
@@ -374,7 +375,9 @@ def run_allreduce_bench(args: argparse.Namespace) -> int:
     rows = bench_allreduce(devices, sizes, args.algorithms, repeats=args.repeats, backend=args.backend, nic=nic)
     if jax.process_index() != 0:  # every process timed the same calls; process 0 reports
         return 0
-    on = "" if nic is None else f" on {nic[0]} emulated hosts with {cluster.format_rate(nic[1])} NICs"
+    realtime = os.sched_getscheduler(0) == os.SCHED_RR  # `jdp launch --hosts ... --realtime`
+    on = "" if nic is None else (f" on {nic[0]} emulated{' real-time' * realtime} hosts with "
+                                 f"{cluster.format_rate(nic[1])} NICs")
     header = (f"jdp bench allreduce: {where(devices)}{on}, float32 sum, "
               f"median of {args.repeats} repeats after a warm-up")
     print(format_allreduce_table(rows, header), flush=True)
@@ -382,7 +385,8 @@ def run_allreduce_bench(args: argparse.Namespace) -> int:
         shared = devices[0].platform == "cpu" and nic is None  # a cluster's hosts have links of their own
         record = {"benchmark": "allreduce", **machine(devices), "cpu_devices_simulated": args.cpu_devices,
                   "backend": args.backend, "repeats": args.repeats, "processes": jax.process_count(),
-                  **({} if nic is None else {"emulated_hosts": nic[0], "nic_bps": nic[1]}), "results": rows,
+                  **({} if nic is None else {"emulated_hosts": nic[0], "nic_bps": nic[1], "realtime_hosts": realtime}),
+                  "results": rows,
                   "fit": fit.fit_all(rows, shared=shared, say=lambda line: print(line, flush=True))}
         (out / "allreduce.json").write_text(json.dumps(record, indent=2) + "\n")
         title = f"allreduce on {len(devices)} {devices[0].platform} devices, float32, median of {args.repeats}"

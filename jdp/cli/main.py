@@ -219,7 +219,8 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
         "forward their output prefixed [pI], and stop them all as soon as one fails. With --hosts H --nic RATE "
         "(as root): one process on each of H emulated hosts, network namespaces whose NICs are shaped to RATE "
         "each way and joined by a switch (docs/cluster.md).",
-        usage="jdp launch (--num-processes P | --hosts H --nic RATE [--cores-per-host C] [--delay MS] [--min-hosts M]) "
+        usage="jdp launch (--num-processes P | --hosts H --nic RATE [--cores-per-host C] [--delay MS] [--realtime] "
+        "[--min-hosts M]) "
         "[--cpu-devices-per-process N] [--timeout S] [--max-restarts N] [--inject SPEC ...] -- jdp train ...",
     )
     launch.add_argument("--num-processes", type=int, default=None, help="processes to start (on loopback)")
@@ -235,6 +236,11 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
                          "out evenly, at least one each)")
     cluster.add_argument("--delay", type=float, default=None, metavar="MS",
                          help="with --hosts: one-way latency added at each NIC (needs the kernel's netem)")
+    cluster.add_argument("--realtime", action="store_true", default=None,
+                         help="with --hosts: run each host's process under the real-time round-robin scheduler "
+                         "(chrt --rr), so that its threads, sharing the host's cores, hand off at once as on a host "
+                         "with cores to spare: a small message costs tens of microseconds instead of the time-sharing "
+                         "scheduler's ticks, milliseconds (docs/cluster.md)")
     launch.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="when a process fails, stop the job and start all processes again with --resume from "
@@ -381,7 +387,8 @@ def run_launch(args: argparse.Namespace) -> int:
         raise ConfigError("`jdp launch` needs a command after `--`, e.g. `jdp launch --num-processes 2 -- jdp train`.")
     plan = None
     if args.hosts is None:
-        extra = [name for name in ("nic", "cores_per_host", "delay", "min_hosts") if getattr(args, name) is not None]
+        extra = [name for name in ("nic", "cores_per_host", "delay", "realtime", "min_hosts")
+                 if getattr(args, name) is not None]
         if extra:
             raise ConfigError(Arg(extra[0]), " describes an emulated cluster: add ", Arg("hosts", "H"), ".")
         if args.num_processes is None:
@@ -395,8 +402,8 @@ def run_launch(args: argparse.Namespace) -> int:
             raise ConfigError(Arg("num_processes", args.num_processes), " and ", Arg("hosts", args.hosts),
                               ": one process per host; drop ", Arg("num_processes"), ".")
         plan = cluster.plan(args.hosts, cluster.parse_rate(args.nic), cores_per_host=args.cores_per_host,
-                            delay_ms=args.delay)
-        cluster.check_privileges()
+                            delay_ms=args.delay, realtime=bool(args.realtime))
+        cluster.check_privileges(plan.realtime)
     faults = tuple(inject.parse(spec) for spec in args.inject)
     return launch(Job(job, args.num_processes or args.hosts, args.cpu_devices_per_process, cluster=plan,
                       faults=faults, min_hosts=args.min_hosts), timeout=args.timeout, max_restarts=args.max_restarts)

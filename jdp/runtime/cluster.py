@@ -45,6 +45,8 @@ BURST_MIN = 32 * 1024
 ENV_HOSTS = "JDP_EMULATED_HOSTS"  # what the launched processes learn about the cluster they run on
 ENV_NIC_BPS = "JDP_EMULATED_NIC_BPS"
 TOOLS = ("ip", "tc", "taskset")
+REALTIME_TOOL = "chrt"  # util-linux, beside taskset
+REALTIME_PRIORITY = 10  # SCHED_RR's priority for the hosts' processes (1-99): above every time-shared task
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
@@ -93,6 +95,9 @@ class Plan:
       rate_bps: each NIC's rate, each direction.
       hostname: this machine's hostname, mapped in each host's /etc/hosts to the host's own address.
       delay_ms: one-way latency added at each host's NIC (netem), None for none.
+      realtime: run each host's process under the real-time round-robin scheduler (`chrt --rr`): a thread
+        woken on a host's busy core runs at once, as on a real host with cores to spare, instead of
+        after the time-sharing scheduler's tick (milliseconds per message; docs/cluster.md).
     """
 
     launcher_pid: int
@@ -100,6 +105,7 @@ class Plan:
     rate_bps: int
     hostname: str
     delay_ms: float | None = None
+    realtime: bool = False
 
     @property
     def switch(self) -> str:
@@ -176,9 +182,10 @@ class Plan:
                 for h in self.hosts}
 
     def process_prefix(self, index: int) -> list[str]:
-        """What runs host `index`'s process inside its namespace, on its cores."""
+        """What runs host `index`'s process inside its namespace, on its cores (real-time if `realtime`)."""
         h = self.hosts[index]
-        return ["ip", "netns", "exec", h.namespace, "taskset", "-c", ",".join(map(str, h.cores))]
+        scheduler = [REALTIME_TOOL, "--rr", str(REALTIME_PRIORITY)] if self.realtime else []
+        return ["ip", "netns", "exec", h.namespace, *scheduler, "taskset", "-c", ",".join(map(str, h.cores))]
 
     def environment(self) -> dict[str, str]:
         """Variables the launched processes read to know the cluster (`jdp bench allreduce` records them)."""
@@ -226,7 +233,8 @@ def burst_bytes(rate_bps: int) -> int:
 
 
 def plan(hosts: int, rate_bps: int, *, cores_per_host: int | None = None, delay_ms: float | None = None,
-         launcher_pid: int | None = None, cores: Sequence[int] | None = None, hostname: str | None = None) -> Plan:
+         realtime: bool = False, launcher_pid: int | None = None, cores: Sequence[int] | None = None,
+         hostname: str | None = None) -> Plan:
     """The plan of an emulated cluster of `hosts` hosts.
 
     Args:
@@ -235,6 +243,7 @@ def plan(hosts: int, rate_bps: int, *, cores_per_host: int | None = None, delay_
       cores_per_host: C; None: the cores this process may use, shared out evenly (at least one each).
         Host i gets cores i·C … i·C + C − 1 of them, wrapping around when H·C exceeds them.
       delay_ms: one-way latency at each host's NIC (needs netem), None for none.
+      realtime: the hosts' processes under the real-time round-robin scheduler (`Plan.realtime`).
       launcher_pid, cores, hostname: this process's, by default.
 
     Raises:
@@ -253,10 +262,12 @@ def plan(hosts: int, rate_bps: int, *, cores_per_host: int | None = None, delay_
         Host(i, f"{PREFIX}{pid}-h{i}", f"{SUBNET}.{i + 1}", f"p{i}",
              tuple(sorted({allowed[(i * per_host + j) % len(allowed)] for j in range(per_host)})))
         for i in range(hosts))
-    return Plan(pid, members, rate_bps, socket.gethostname() if hostname is None else hostname, delay_ms)
+    return Plan(pid, members, rate_bps, socket.gethostname() if hostname is None else hostname, delay_ms, realtime)
 
 
 CAPABILITIES = {"CAP_NET_ADMIN": 12, "CAP_SYS_ADMIN": 21}  # linux/capability.h
+CAP_SYS_NICE = 23  # what `realtime` needs besides: a real-time scheduling policy
+RT_RUNTIME = Path("/proc/sys/kernel/sched_rt_runtime_us")  # -1: the kernel does not throttle real-time tasks
 
 
 def effective_capabilities(status: str | None = None) -> int:
@@ -270,14 +281,17 @@ def effective_capabilities(status: str | None = None) -> int:
     return int(match.group(1), 16) if match else 0
 
 
-def missing_privileges(capabilities: int, which: Callable[[str], str | None]) -> Message | None:
+def missing_privileges(capabilities: int, which: Callable[[str], str | None], realtime: bool = False,
+                       rt_runtime: str = "950000") -> Message | None:
     """What this machine lacks to emulate a cluster, as a sentence; None if nothing.
 
     Network namespaces, veth pairs and qdiscs need CAP_NET_ADMIN and CAP_SYS_ADMIN (the effective
     `capabilities` mask) in the initial namespaces: root. (Rootless user namespaces could build the
-    network, but not give the hosts' processes their own /etc/hosts; jdp does not try.)
+    network, but not give the hosts' processes their own /etc/hosts; jdp does not try.) `realtime` also
+    needs CAP_SYS_NICE, `chrt`, and the kernel's throttling of real-time tasks (`rt_runtime`, the value of
+    RT_RUNTIME: not -1), which keeps a few percent of each core for everything else.
     """
-    tools = [tool for tool in TOOLS if which(tool) is None]
+    tools = [tool for tool in (*TOOLS, *[REALTIME_TOOL] * realtime) if which(tool) is None]
     if any(not capabilities >> bit & 1 for bit in CAPABILITIES.values()):
         lack = f" and {', '.join(f'`{t}`' for t in tools)} (iproute2, util-linux)" if tools else ""
         return Message("an emulated cluster needs root (network namespaces, veth pairs and tc qdiscs need "
@@ -285,13 +299,24 @@ def missing_privileges(capabilities: int, which: Callable[[str], str | None]) ->
                        Arg("hosts"))
     if tools:
         return Message(f"an emulated cluster needs {', '.join(f'`{t}`' for t in tools)} on PATH (iproute2 has ip "
-                       "and tc, util-linux has taskset); install them, or drop ", Arg("hosts"))
+                       "and tc, util-linux has taskset and chrt); install them, or drop ", Arg("hosts"))
+    if realtime and not capabilities >> CAP_SYS_NICE & 1:
+        return Message(Arg("realtime"), " needs CAP_SYS_NICE (root has it) to run the hosts' processes under "
+                       "SCHED_RR; run as root, or drop ", Arg("realtime"))
+    if realtime and rt_runtime.strip() == "-1":
+        return Message(Arg("realtime"), f" needs the kernel to throttle real-time tasks ({RT_RUNTIME} is -1: "
+                       "a busy host would hold its cores from everything else); drop ", Arg("realtime"))
     return None
 
 
-def check_privileges() -> None:
-    """Raises DeviceError (one line) unless this process can build an emulated cluster."""
-    problem = missing_privileges(effective_capabilities(), shutil.which)
+def check_privileges(realtime: bool = False) -> None:
+    """Raises DeviceError (one line) unless this process can build an emulated cluster (`realtime`: one whose
+    hosts' processes are real-time)."""
+    try:
+        rt_runtime = RT_RUNTIME.read_text() if realtime else ""
+    except OSError:
+        rt_runtime = ""  # no such knob: no real-time group scheduling to turn off
+    problem = missing_privileges(effective_capabilities(), shutil.which, realtime, rt_runtime)
     if problem is not None:
         raise DeviceError("Cannot emulate a cluster: ", problem, ".")
 

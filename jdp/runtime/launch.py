@@ -155,7 +155,8 @@ def launch(
         with emulated.up(cluster, output.say):
             output.say(f"{num_processes} emulated hosts ({' '.join(h.namespace for h in cluster.hosts)}), NICs at "
                        f"{emulated.format_rate(cluster.rate_bps)} each way, cores "
-                       f"{' | '.join(','.join(map(str, h.cores)) for h in cluster.hosts)}")
+                       f"{' | '.join(','.join(map(str, h.cores)) for h in cluster.hosts)}"
+                       f"{', real-time (SCHED_RR)' * cluster.realtime}")
             try:
                 return _launch(job, timeout, max_restarts, output)
             finally:
@@ -272,7 +273,7 @@ def cluster_flags(cluster: emulated.Plan) -> list[str]:
     """The `jdp launch` flags that make the same emulated cluster again."""
     delay = [] if cluster.delay_ms is None else ["--delay", f"{cluster.delay_ms:g}"]
     return ["--hosts", str(len(cluster.hosts)), "--nic", emulated.format_rate(cluster.rate_bps),
-            "--cores-per-host", str(len(cluster.hosts[0].cores)), *delay]
+            "--cores-per-host", str(len(cluster.hosts[0].cores)), *delay, *["--realtime"] * cluster.realtime]
 
 
 def with_resume(command: Sequence[str]) -> list[str]:
