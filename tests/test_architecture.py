@@ -27,7 +27,7 @@ TABLE = [(layer, re.findall(r"`(jdp[\w.]*)`", modules))
 
 
 def sublayer_problems(table: list[tuple[str, list[str]]], graph: dict[str, list[tuple[str, int]]]) -> list[str]:
-    """How jdp.parallel's modules break the table's sub-layers 4.0–4.7: a module in no row, or one importing a
+    """How jdp.parallel's modules break the table's sub-layers 4.0–4.8: a module in no row, or one importing a
     module of a higher sub-layer."""
     order = {module: float(layer) for layer, modules in table if layer.startswith("4.") for module in modules}
     problems = [f"{m} is in no 4.x row of docs/architecture.md's table" for m in sorted(graph)
@@ -226,3 +226,28 @@ def test_a_config_builds_its_components_once_for_a_whole_run(monkeypatch, tmp_pa
     config_lib.payload_bytes(config)
     checkpoint_target(config, 2)
     assert calls == {"model": 1, "optimizer": 1, "strategy": 1, "sync": 1}
+
+
+def oversized_functions(root: Path, most_lines: int = 80, most_parameters: int = 7) -> list[str]:
+    """The functions under `root` longer than `most_lines` or taking more than `most_parameters` (self and cls
+    not counted), as "path:line name (lines, parameters)"."""
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if p is not None]
+                parameters = len([n for n in names if n not in ("self", "cls")])
+                lines = node.end_lineno - node.lineno + 1
+                if lines > most_lines or parameters > most_parameters:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({lines}, {parameters})")
+    return found
+
+
+def test_no_function_is_over_80_lines_or_7_parameters(tmp_path):
+    assert oversized_functions(ROOT / "jdp") == []
+    (tmp_path / "jdp").mkdir()
+    (tmp_path / "jdp" / "long.py").write_text("def f(a, b, c, d, e, f, g, h):\n    return a\n")
+    assert oversized_functions(tmp_path / "jdp") == ["jdp/long.py:1 f (2, 8)"]  # the check sees one

@@ -6,6 +6,7 @@ with the reason elsewhere): the cluster removed after SIGTERM, SIGINT and a kill
 2-host `jdp train` at 100mbit and 10mbit whose traffic crosses the shaped NICs.
 """
 
+import dataclasses
 import ipaddress
 import json
 import os
@@ -47,7 +48,7 @@ def test_plan_names_addresses_cores_and_hosts_files():
     assert p.hosts_files() == {cluster.NETNS_ETC / f"jdp-4242-h{i}" / "hosts": f"127.0.0.1 localhost\n198.18.0.{i + 1} box\n"
                                for i in range(3)}
     assert p.process_prefix(1) == ["ip", "netns", "exec", "jdp-4242-h1", "taskset", "-c", "2,3"]
-    realtime = cluster.plan(3, 10**8, realtime=True, launcher_pid=4242, cores=[0, 1, 2, 3, 4, 5], hostname="box")
+    realtime = dataclasses.replace(p, realtime=True)
     assert realtime.process_prefix(1) == ["ip", "netns", "exec", "jdp-4242-h1", "chrt", "--rr", "10", "taskset", "-c",
                                           "2,3"]
     assert realtime.keep([0, 2]).realtime  # a restart without a host keeps the scheduling
@@ -183,7 +184,7 @@ def test_cluster_flags_need_hosts_and_hosts_needs_a_rate(capsys):
 def test_restart_advice_repeats_the_cluster():
     p = cluster.plan(2, 10**8, cores_per_host=1, launcher_pid=1, cores=[0, 1], hostname="b")
     assert launch.cluster_flags(p) == ["--hosts", "2", "--nic", "100mbit", "--cores-per-host", "1"]
-    realtime = cluster.plan(2, 10**8, cores_per_host=1, realtime=True, launcher_pid=1, cores=[0, 1], hostname="b")
+    realtime = dataclasses.replace(p, realtime=True)
     assert launch.cluster_flags(realtime)[-1] == "--realtime"
 
 

@@ -401,8 +401,9 @@ def run_launch(args: argparse.Namespace) -> int:
         if args.num_processes not in (None, args.hosts):
             raise ConfigError(Arg("num_processes", args.num_processes), " and ", Arg("hosts", args.hosts),
                               ": one process per host; drop ", Arg("num_processes"), ".")
-        plan = cluster.plan(args.hosts, cluster.parse_rate(args.nic), cores_per_host=args.cores_per_host,
-                            delay_ms=args.delay, realtime=bool(args.realtime))
+        plan = dataclasses.replace(cluster.plan(args.hosts, cluster.parse_rate(args.nic),
+                                                cores_per_host=args.cores_per_host, delay_ms=args.delay),
+                                   realtime=bool(args.realtime))
         cluster.check_privileges(plan.realtime)
     faults = tuple(inject.parse(spec) for spec in args.inject)
     return launch(Job(job, args.num_processes or args.hosts, args.cpu_devices_per_process, cluster=plan,

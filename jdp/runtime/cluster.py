@@ -233,9 +233,9 @@ def burst_bytes(rate_bps: int) -> int:
 
 
 def plan(hosts: int, rate_bps: int, *, cores_per_host: int | None = None, delay_ms: float | None = None,
-         realtime: bool = False, launcher_pid: int | None = None, cores: Sequence[int] | None = None,
-         hostname: str | None = None) -> Plan:
-    """The plan of an emulated cluster of `hosts` hosts.
+         launcher_pid: int | None = None, cores: Sequence[int] | None = None, hostname: str | None = None) -> Plan:
+    """The plan of an emulated cluster of `hosts` hosts (time-shared: `dataclasses.replace(p, realtime=True)` for
+    real-time ones).
 
     Args:
       hosts: H, at least 1.
@@ -243,7 +243,6 @@ def plan(hosts: int, rate_bps: int, *, cores_per_host: int | None = None, delay_
       cores_per_host: C; None: the cores this process may use, shared out evenly (at least one each).
         Host i gets cores i·C … i·C + C − 1 of them, wrapping around when H·C exceeds them.
       delay_ms: one-way latency at each host's NIC (needs netem), None for none.
-      realtime: the hosts' processes under the real-time round-robin scheduler (`Plan.realtime`).
       launcher_pid, cores, hostname: this process's, by default.
 
     Raises:
@@ -262,7 +261,7 @@ def plan(hosts: int, rate_bps: int, *, cores_per_host: int | None = None, delay_
         Host(i, f"{PREFIX}{pid}-h{i}", f"{SUBNET}.{i + 1}", f"p{i}",
              tuple(sorted({allowed[(i * per_host + j) % len(allowed)] for j in range(per_host)})))
         for i in range(hosts))
-    return Plan(pid, members, rate_bps, socket.gethostname() if hostname is None else hostname, delay_ms, realtime)
+    return Plan(pid, members, rate_bps, socket.gethostname() if hostname is None else hostname, delay_ms)
 
 
 CAPABILITIES = {"CAP_NET_ADMIN": 12, "CAP_SYS_ADMIN": 21}  # linux/capability.h
