@@ -95,9 +95,9 @@ class Plan:
       rate_bps: each NIC's rate, each direction.
       hostname: this machine's hostname, mapped in each host's /etc/hosts to the host's own address.
       delay_ms: one-way latency added at each host's NIC (netem), None for none.
-      realtime: run each host's process under the real-time round-robin scheduler (`chrt --rr`): a thread
-        woken on a host's busy core runs at once, as on a real host with cores to spare, instead of
-        after the time-sharing scheduler's tick (milliseconds per message; docs/cluster.md).
+      realtime: run each host's process under the real-time round-robin scheduler (`chrt --rr`): its threads
+        hand the host's core over without waiting for the time-sharing scheduler's tick, as on a real host
+        with cores to spare (time-shared, a message costs milliseconds of that wait; docs/cluster.md).
     """
 
     launcher_pid: int
