@@ -61,16 +61,17 @@ def main() -> None:
     jdp = [sys.executable, "-m", "jdp"]
     train = ["train", "--dataset", "synthetic", "--epochs", str(EPOCHS), "--no-progress", "--formulation", "fast"]
 
+    from jdp.runtime import cluster
+
     one = out / "compute"
     realtime = ["--realtime"] * args.realtime
-    run([*["chrt", "--rr", "10"] * args.realtime, "taskset", "-c", "0", *jdp, *train, "--cpu-devices", "1",
+    run([*cluster.REALTIME * args.realtime, "taskset", "-c", "0", *jdp, *train, "--cpu-devices", "1",
          "--batch-size", str(BATCH // 2), "--out", str(one)],
         out / "compute.log")
     compute_s_per_image = statistics.median(epoch_seconds(one / "history.json")[1:]) / TRAIN_IMAGES
 
     from jdp.bench import nic_model, predict
     from jdp.parallel import cost
-    from jdp.runtime import cluster
 
     alphas = {a["algorithm"]: a["alpha_s"] for a in json.loads(Path(args.nic_model_json).read_text())["algorithms"].values()
               if (a["hosts"], a["per_host"]) == (2, 1)}

@@ -45,8 +45,7 @@ BURST_MIN = 32 * 1024
 ENV_HOSTS = "JDP_EMULATED_HOSTS"  # what the launched processes learn about the cluster they run on
 ENV_NIC_BPS = "JDP_EMULATED_NIC_BPS"
 TOOLS = ("ip", "tc", "taskset")
-REALTIME_TOOL = "chrt"  # util-linux, beside taskset
-REALTIME_PRIORITY = 10  # SCHED_RR's priority for the hosts' processes (1-99): above every time-shared task
+REALTIME = ("chrt", "--rr", "10")  # util-linux's chrt: SCHED_RR at priority 10 (1-99), above every time-shared task
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
@@ -184,7 +183,7 @@ class Plan:
     def process_prefix(self, index: int) -> list[str]:
         """What runs host `index`'s process inside its namespace, on its cores (real-time if `realtime`)."""
         h = self.hosts[index]
-        scheduler = [REALTIME_TOOL, "--rr", str(REALTIME_PRIORITY)] if self.realtime else []
+        scheduler = REALTIME if self.realtime else ()
         return ["ip", "netns", "exec", h.namespace, *scheduler, "taskset", "-c", ",".join(map(str, h.cores))]
 
     def environment(self) -> dict[str, str]:
@@ -290,7 +289,7 @@ def missing_privileges(capabilities: int, which: Callable[[str], str | None], re
     needs CAP_SYS_NICE, `chrt`, and the kernel's throttling of real-time tasks (`rt_runtime`, the value of
     RT_RUNTIME: not -1), which keeps a few percent of each core for everything else.
     """
-    tools = [tool for tool in (*TOOLS, *[REALTIME_TOOL] * realtime) if which(tool) is None]
+    tools = [tool for tool in (*TOOLS, *REALTIME[:1] * realtime) if which(tool) is None]
     if any(not capabilities >> bit & 1 for bit in CAPABILITIES.values()):
         lack = f" and {', '.join(f'`{t}`' for t in tools)} (iproute2, util-linux)" if tools else ""
         return Message("an emulated cluster needs root (network namespaces, veth pairs and tc qdiscs need "
