@@ -25,7 +25,7 @@ from jdp.parallel.compress import low_precision, powersgd
 from jdp.parallel.cost import Cost, Terms
 from jdp.parallel.evaluate import make_evaluator
 from jdp.parallel.layout import map_over_devices, replicate, split_batch, unreplicate
-from jdp.parallel.opt_state import OptState
+from jdp.parallel.opt_state import LocalOptimizer, OptState, ReplicatedOptimizer, ShardedOptimizer
 from jdp.parallel.opt_state import init_sharded as init_sharded_opt_state
 from jdp.parallel.step import make_local_step, make_sharded_step, make_train_step
 from jdp.parallel.strategy import Allreduce
@@ -79,10 +79,13 @@ __all__ = [
     "Guards",
     "Hooks",
     "JdpError",
+    "LocalOptimizer",
     "Model",
     "OptState",
     "StreamingDiLoCo",
     "ProcessLostError",
+    "ReplicatedOptimizer",
+    "ShardedOptimizer",
     "Split",
     "Sync",
     "TrainConfig",

@@ -121,10 +121,12 @@ def moved_arguments(moved: dict[str, str]) -> Callable[[Callable], Callable]:
     that names where it went (`moved[name]`), for the release after the move (docs/api.md lists them)."""
 
     def decorate(function: Callable) -> Callable:
+        called = function.__qualname__.removesuffix(".__init__")  # a class's constructor: the class's name
+
         @functools.wraps(function)
         def checked(*args, **kwargs):
             for name in kwargs.keys() & moved.keys():
-                raise TypeError(f"`{function.__name__}({name}=...)` is gone: {moved[name]} (docs/api.md).")
+                raise TypeError(f"`{called}({name}=...)` is gone: {moved[name]} (docs/api.md).")
             return function(*args, **kwargs)
 
         return checked

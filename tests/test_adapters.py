@@ -26,7 +26,8 @@ from jdp.cli import main as cli
 from jdp.errors import ConfigError
 from jdp.runtime.devices import AXIS
 from jdp.training import checkpoint
-from jdp.training.config import TrainConfig, checkpoint_target
+from jdp.training.build import checkpoint_target
+from jdp.training.config import TrainConfig
 
 MODELS = Path(__file__).with_name("adapter_models.py")
 

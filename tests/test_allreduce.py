@@ -271,7 +271,19 @@ def test_a_removed_name_says_what_replaced_it(module, name, replacement):
 
 
 def test_a_renamed_opt_state_method_says_what_replaced_it():
-    from jdp.parallel.opt_state import OptState
+    from jdp.parallel.opt_state import OptState, ReplicatedOptimizer
 
     with pytest.raises(AttributeError, match="optimizer_and_strategy"):
-        OptState(sgd(0.1), None, 2).split  # noqa: B018
+        OptState(ReplicatedOptimizer(sgd(0.1)), 2).split  # noqa: B018
+
+
+def test_the_flags_of_the_old_opt_state_say_what_replaced_them():
+    """The optimizer state is composed of parts: the old positional form and its flags name the new one."""
+    from jdp.parallel.opt_state import OptState, ReplicatedOptimizer
+
+    with pytest.raises(TypeError, match=r"jdp.OptState\(placement, device_count, strategy=, sync=\)"):
+        OptState(sgd(0.1), None, 2)
+    with pytest.raises(TypeError, match=r"`OptState\(sharded=...\)` is gone: .*`placement`, a `ShardedOptimizer`"):
+        OptState(ReplicatedOptimizer(sgd(0.1)), 2, sharded=True)
+    with pytest.raises(AttributeError, match="`placement`, a `LocalOptimizer`"):
+        OptState(ReplicatedOptimizer(sgd(0.1)), 2).local  # noqa: B018

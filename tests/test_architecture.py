@@ -16,7 +16,7 @@ import jdp
 from jdp.bench import fit, predict
 from jdp.bench.predict import CLUSTERS
 from jdp.cli.main import main
-from jdp.training.config import checkpoint_target
+from jdp.training.build import checkpoint_target
 from test_imports import LAYERS, ROOT, import_graph
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"

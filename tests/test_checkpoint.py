@@ -22,7 +22,8 @@ from jdp.models import lenet
 from jdp.parallel import layout
 from jdp.parallel import feeders as pipeline
 from jdp.training import checkpoint
-from jdp.training.config import TrainConfig, checkpoint_target
+from jdp.training.build import checkpoint_target
+from jdp.training.config import TrainConfig
 from jdp.training.loop import train
 
 

@@ -17,10 +17,11 @@ import jdp
 from jdp.errors import ConfigError
 from jdp.parallel import compress
 from jdp.parallel.layout import sharded
-from jdp.parallel.opt_state import OptState
+from jdp.parallel.opt_state import LocalOptimizer, OptState, ReplicatedOptimizer, ShardedOptimizer
 from jdp.runtime.devices import AXIS
 from jdp.training import checkpoint
-from jdp.training.config import TrainConfig, checkpoint_target
+from jdp.training.build import checkpoint_target
+from jdp.training.config import TrainConfig
 from jdp.training.loop import train
 
 K = 4  # devices for these tests: enough for a ring, tree with a fold-free power of two, and a root
@@ -91,7 +92,7 @@ def test_the_wire_variant_rounds_less_than_summing_in_bf16(devices):
 # ---- PowerSGD ------------------------------------------------------------------------------------
 
 def powersgd_state(strategy, grads_one, devices):
-    state = OptState(optax.identity(), grads_one, len(devices), strategy=strategy)
+    state = OptState(ReplicatedOptimizer(optax.identity()), len(devices), strategy)
     return state.optimizer_and_strategy(state.place(state.init(grads_one, jax.random.key(0)), devices, "pmap"))[1]
 
 

@@ -28,7 +28,8 @@ from jdp.parallel import tally
 from jdp.runtime import faults, launch
 from jdp.training import checkpoint
 from jdp.training.checkpoint import Checkpoints
-from jdp.training.config import TrainConfig, checkpoint_target
+from jdp.training.build import checkpoint_target
+from jdp.training.config import TrainConfig
 from jdp.training.keeper import Keeper
 from jdp.training.resume import check_resumable, check_same_state
 

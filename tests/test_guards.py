@@ -19,7 +19,8 @@ from jdp.parallel.inflight import InFlight
 from jdp.parallel.layout import replicate, split_batch
 from jdp.parallel.step import make_train_step
 from jdp.training import checkpoint, guards
-from jdp.training.config import TrainConfig, checkpoint_target
+from jdp.training.build import checkpoint_target
+from jdp.training.config import TrainConfig
 from jdp.training.loop import train
 
 LOSSES = np.ones(8, np.float32)

@@ -22,7 +22,8 @@ from jdp.runtime import cluster, inject, launch
 from jdp.runtime.faults import EXIT_PROCESS_LOST
 from jdp.runtime.inject import Fault
 from jdp.training import checkpoint
-from jdp.training.config import TrainConfig, checkpoint_target
+from jdp.training.build import checkpoint_target
+from jdp.training.config import TrainConfig
 
 
 def test_each_form_parses_and_writes_itself_back():

@@ -17,7 +17,8 @@ from jdp.parallel import compress, streaming
 from jdp.parallel.layout import map_over_devices
 from jdp.runtime.devices import AXIS
 from jdp.training import checkpoint
-from jdp.training.config import TrainConfig, checkpoint_target, payload_bytes
+from jdp.training.build import checkpoint_target
+from jdp.training.config import TrainConfig, payload_bytes
 from jdp.training.loop import train
 
 

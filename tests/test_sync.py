@@ -17,7 +17,8 @@ from jdp.parallel.layout import fetch
 from jdp.parallel.step import make_local_step
 from jdp.parallel.sync import Sync, from_settings
 from jdp.training import checkpoint
-from jdp.training.config import TrainConfig, checkpoint_target
+from jdp.training.build import checkpoint_target, opt_state_of
+from jdp.training.config import TrainConfig
 from jdp.training.loop import train
 
 
@@ -111,7 +112,7 @@ def test_replicas_differ_between_syncs(devices):
     k, config = 4, dataclasses.replace(BASE, sync="local-sgd", sync_every=4)
     model = config.build_model()
     params = model.init(jax.random.key(0))
-    opt = config.opt_state(params, k)
+    opt = opt_state_of(config, params, k)
     own_step = make_local_step(model, opt, devices[:k])
     state = (layout.place(jax.tree.map(lambda x: np.broadcast_to(x, (k, *x.shape)), params), "per_device",
                           devices[:k]), opt.place(opt.init(params, jax.random.key(0)), devices[:k], "pmap"))

@@ -19,12 +19,13 @@ from jdp.cli.main import main
 from jdp.errors import ConfigError
 from jdp.models import lenet
 from jdp.parallel import allreduce
-from jdp.parallel.opt_state import OptState, init_sharded
+from jdp.parallel.opt_state import OptState, ShardedOptimizer, init_sharded
 from jdp.parallel.layout import BACKENDS, replicate, sharded, split_batch, unreplicate
 from jdp.parallel.step import accumulate_grads, make_sharded_step, make_train_step
 from jdp.runtime.devices import AXIS
 from jdp.training import checkpoint, optimizers
-from jdp.training.config import TrainConfig, checkpoint_target
+from jdp.training.build import checkpoint_target
+from jdp.training.config import TrainConfig
 from jdp.training.loop import train
 
 BATCH, STEPS, MICRO = 48, 3, 2  # 48 splits into k·2 equal parts for k = 1, 2, 3, 4, 8
@@ -268,10 +269,10 @@ def test_host_form_of_the_sharded_state_round_trips_on_any_device_count(devices)
     """gather(shard(state)) is the state, bit for bit, for k = 1..8; the padding holds zeros."""
     opt = optimizer("adamw")
     params = lenet.init(jax.random.key(0))
-    host = OptState(opt, params, 1, sharded=True).init(params, jax.random.key(0))
+    host = OptState(ShardedOptimizer(opt, params, 1), 1).init(params, jax.random.key(0))
     host = jax.tree.map(lambda x: np.arange(x.size, dtype=x.dtype).reshape(x.shape) + 1, host)
     for k in range(1, 9):
-        state = OptState(opt, params, k, sharded=True)
+        state = OptState(ShardedOptimizer(opt, params, k), k)
         back = state.to_host(state.place(host, devices[:k], "pmap"), "pmap")
         for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(back), strict=True):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

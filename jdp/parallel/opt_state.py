@@ -1,7 +1,8 @@
 """The optimizer state of a run: the composite of its components' parts, and everything done with it.
 
 Each part (`Part`) is one component's state with its placement kind; `OptState` composes them. The optimizer's
-part is one of three, and the strategy's and the sync algorithm's are there when they keep state:
+part is one of three (`OptState.placement`), and the strategy's and the sync algorithm's are there when they
+keep state:
 
 * replicated: `optimizer.init(params)`, one copy on every device, like the params;
 * sharded (ZeRO, `shard_optimizer=True`): the state of the params raveled into one flat buffer
@@ -10,7 +11,7 @@ part is one of three, and the strategy's and the sync algorithm's are there when
 * with per-device strategy state (a stateful `Allreduce`, e.g. PowerSGD's error feedback):
   `{"optimizer": <replicated state>, "allreduce": <one state per device>}`;
 * local (`jdp.parallel.sync`: local SGD, DiLoCo, yours): one optimizer state per device, each device's
-  own, and the sync algorithm's own state if it keeps one (`Sync.init`), replicated, under the key
+  own, and the sync algorithm's own state if it keeps one (`Sync.state_part`), replicated, under the key
   "outer" (DiLoCo's name for it: the global params θ and the outer optimizer's state),
   `{"optimizer": <per device>, "outer": {"params": θ, "optimizer": <outer state>}}`.
 
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from jdp.errors import moved_arguments
 from jdp.parallel.buckets import Flat, plan
 from jdp.parallel.layout import Backend, Kinds, copies, fetch, on_per_device, place
 from jdp.parallel.strategy import Allreduce
@@ -41,8 +43,12 @@ _OPTIMIZER, _STRATEGY = "optimizer", "allreduce"  # the parts' keys in the state
 _SYNC = "outer"  # where the sync's own state is kept: DiLoCo's name for it, which its checkpoints hold
 _MOVED = {"outer": "`sync_state`: the sync algorithm's own state",
           "has_outer": "`has_sync_state`: the sync algorithm's own state",
-          "outer_optimizer": "`sync_init`: the sync algorithm's own state",
-          "split": "`optimizer_and_strategy`: the optimizer's part and the strategy's"}
+          "outer_optimizer": "`sync`, the sync algorithm's part (`Sync.state_part`)",
+          "split": "`optimizer_and_strategy`: the optimizer's part and the strategy's",
+          "sharded": "`placement`, a `ShardedOptimizer`",
+          "local": "`placement`, a `LocalOptimizer`",
+          "sync_init": "`sync`, the sync algorithm's part (`Sync.state_part`)",
+          "sync_kind": "`sync.kind`, the sync algorithm's part's"}
 
 
 class Part(abc.ABC):
@@ -69,8 +75,14 @@ class Part(abc.ABC):
         return state
 
 
+class OptimizerPart(Part):
+    """The optimizer's part: where its state lives, and so which step keeps it (`OptState.placement`)."""
+
+    optimizer: "optax.GradientTransformation"
+
+
 @dataclasses.dataclass(frozen=True)
-class ReplicatedOptimizer(Part):
+class ReplicatedOptimizer(OptimizerPart):
     """`optimizer.init(params)`, one copy on every device, like the params."""
 
     optimizer: "optax.GradientTransformation"
@@ -80,7 +92,7 @@ class ReplicatedOptimizer(Part):
 
 
 @dataclasses.dataclass(frozen=True)
-class LocalOptimizer(Part):
+class LocalOptimizer(OptimizerPart):
     """Each device's own optimizer state (a local sync mode), the same on every device at first."""
 
     optimizer: "optax.GradientTransformation"
@@ -95,7 +107,7 @@ class LocalOptimizer(Part):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ShardedOptimizer(Part):
+class ShardedOptimizer(OptimizerPart):
     """ZeRO: the state of the params raveled into one flat buffer per dtype (`jdp.parallel.buckets.Flat`),
     device i holding slice i of every per-element leaf (AdamW's moments) and a copy of every other leaf
     (AdamW's step count). The host form is `optimizer.init` of the unpadded buffers, independent of k, so a
@@ -181,42 +193,40 @@ class OptState:
     """How a run keeps its optimizer state: the composite of its components' parts (`parts`).
 
     Attributes:
-      optimizer: the optax optimizer.
-      params: the trainable params, or their `jax.ShapeDtypeStruct`s (the sharded variant's layout;
-        None where only the kinds, `optimizer_and_strategy` and `join` are used, as in the train step).
+      placement: the optimizer's part, which says where its state lives: `ReplicatedOptimizer` (like the
+        params), `ShardedOptimizer` (ZeRO: each device 1/k of the per-element state) or `LocalOptimizer`
+        (a local sync mode: each device its own). The step that keeps the state follows from it
+        (`jdp.parallel.step.make_step`).
       device_count: k, the devices the state is placed on.
-      sharded: ZeRO: each device holds 1/k of the per-element state (`ShardedOptimizer`).
       strategy: the allreduce strategy; a stateful one keeps its per-device state here too (`StrategyState`).
-      local: a local sync mode (`jdp.parallel.sync`): each device keeps its own optimizer state (`LocalOptimizer`).
-      sync_init: params -> the sync algorithm's own state (`Sync.init`), which the state holds too
-        (`SyncState`); None: none.
-      sync_kind: its placement kinds (`Sync.state_kind`, a pytree prefix of it): replicated, or with a
-        part each device keeps for itself (Streaming DiLoCo's error feedback) `per_device`.
+      sync: the sync algorithm's part (`Sync.state_part`: DiLoCo's θ and outer optimizer state), or None.
     """
 
-    optimizer: "optax.GradientTransformation"
-    params: PyTree
+    placement: OptimizerPart
     device_count: int
-    sharded: bool = False
     strategy: Allreduce | None = None
-    local: bool = False
-    sync_init: Callable[[PyTree], PyTree] | None = None
-    sync_kind: Kinds = "replicated"
+    sync: "SyncState | None" = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.placement, OptimizerPart):  # the form before 0.1.0's redesign; see docs/api.md
+            raise TypeError("`jdp.OptState(optimizer, params, device_count, sharded=..., local=...)` is now "
+                            "`jdp.OptState(placement, device_count, strategy=, sync=)`, the placement one of "
+                            "`jdp.ReplicatedOptimizer(optimizer)`, `jdp.ShardedOptimizer(optimizer, params, k)`, "
+                            "`jdp.LocalOptimizer(optimizer, k)` (docs/api.md).")
+
+    @property
+    def optimizer(self) -> "optax.GradientTransformation":
+        """The optax optimizer whose state the placement keeps."""
+        return self.placement.optimizer
 
     @functools.cached_property
     def parts(self) -> dict[str, Part]:
         """The parts, by their key in the state: the optimizer's, then the strategy's and the sync's if any."""
-        k = self.device_count
-        if self.sharded:
-            parts: dict[str, Part] = {_OPTIMIZER: ShardedOptimizer(self.optimizer, self.params, k)}
-        elif self.local:
-            parts = {_OPTIMIZER: LocalOptimizer(self.optimizer, k)}
-        else:
-            parts = {_OPTIMIZER: ReplicatedOptimizer(self.optimizer)}
+        parts: dict[str, Part] = {_OPTIMIZER: self.placement}
         if self.strategy is not None and self.strategy.stateful:
-            parts[_STRATEGY] = StrategyState(self.strategy, k)
-        if self.sync_init is not None:
-            parts[_SYNC] = SyncState(self.sync_init, k, self.sync_kind)
+            parts[_STRATEGY] = StrategyState(self.strategy, self.device_count)
+        if self.sync is not None:
+            parts[_SYNC] = self.sync
         return parts
 
     @property
@@ -291,6 +301,12 @@ class OptState:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
+OptState.__init__ = moved_arguments(  # the flags before 0.1.0's redesign; see docs/api.md
+    {name: f"the optimizer state is composed of parts: {_MOVED[name]}"
+     for name in ("sharded", "local", "sync_init", "sync_kind", "outer_optimizer")}
+)(OptState.__init__)
+
+
 def _slices(leaf: Any, k: int) -> np.ndarray:
     """A flat per-element leaf zero-padded and cut into k rows: row i is device i's slice."""
     host = np.asarray(leaf)
@@ -302,5 +318,5 @@ def init_sharded(optimizer: "optax.GradientTransformation", params: PyTree, devi
                  backend: Backend = "pmap") -> PyTree:
     """The initial optimizer state of `params`, sharded over `devices`: what `make_sharded_step`
     takes as `opt_state` (the counterpart of `jdp.replicate(optimizer.init(params))`)."""
-    state = OptState(optimizer, params, len(devices), sharded=True)
+    state = OptState(ShardedOptimizer(optimizer, params, len(devices)), len(devices))
     return state.place(state.init(params, jax.random.key(0)), devices, backend)

@@ -28,7 +28,7 @@ from jdp.models import Model
 from jdp.parallel import allreduce as allreduce_lib
 from jdp.parallel.buckets import plan
 from jdp.parallel.layout import Backend, check_backend, map_over_devices
-from jdp.parallel.opt_state import OptState
+from jdp.parallel.opt_state import LocalOptimizer, OptState, ReplicatedOptimizer, ShardedOptimizer
 from jdp.parallel.strategy import Allreduce
 from jdp.runtime.devices import AXIS
 from jdp.types import PyTree
@@ -145,7 +145,7 @@ def make_train_step(loss: "LossFn | Model", optimizer: "optax.GradientTransforma
     strategy = allreduce_lib.get(allreduce)
     check_strategy(strategy, backend)
     check_reach(strategy, devices)
-    opt = OptState(optimizer, None, len(devices), strategy=strategy)
+    opt = OptState(ReplicatedOptimizer(optimizer), len(devices), strategy)
     return _summed_step(_OnDevice.of(loss, optimizer, accumulate), opt, devices, backend, segment)
 
 
@@ -203,7 +203,7 @@ def make_sharded_step(loss: "LossFn | Model", optimizer: "optax.GradientTransfor
     strategy = allreduce_lib.get(allreduce)
     check_strategy(strategy, backend, shard_optimizer=True)
     check_reach(strategy, devices)
-    opt = OptState(optimizer, None, len(devices), sharded=True, strategy=strategy)
+    opt = OptState(ShardedOptimizer(optimizer, None, len(devices)), len(devices), strategy)
     return _sharded_step(_OnDevice.of(loss, optimizer, accumulate), opt, devices, backend, segment)
 
 
@@ -264,7 +264,7 @@ def make_local_step(loss: "LossFn | Model", opt: OptState, devices: Sequence[jax
 
     Each device applies the mean gradient of its own shard with its own optimizer state to its own
     `per_device` params; `jdp.parallel.sync.make_sync` makes them meet. `opt` is the run's optimizer
-    state (`OptState(..., local=True)`), which also holds what the syncs keep (the sync's own state,
+    state (`OptState(LocalOptimizer(optimizer, k), k, ...)`), which also holds what the syncs keep (the sync's own state,
     e.g. DiLoCo's global params; a stateful strategy's), untouched here. Arguments and result otherwise
     as `make_train_step`'s.
 
@@ -273,9 +273,10 @@ def make_local_step(loss: "LossFn | Model", opt: OptState, devices: Sequence[jax
     """
     device = _OnDevice.of(loss, opt.optimizer, accumulate)
     check_backend(backend)
-    if not opt.local:
+    if not isinstance(opt.placement, LocalOptimizer):
         raise ConfigError("`make_local_step` steps each device alone, which its `opt` does not keep "
-                          "(`OptState(..., local=True)`); a step that sums the gradients is `make_train_step`'s.")
+                          "(`OptState(LocalOptimizer(optimizer, k), k)`); a step that sums the gradients is "
+                          "`make_train_step`'s.")
 
     def own_step(variables, opt_state, images, labels):
         optimizer_state, kept = opt.optimizer_and_strategy(opt_state)
@@ -293,9 +294,9 @@ def make_step(loss: "LossFn | Model", opt: OptState, devices: Sequence[jax.Devic
     mode's (`make_local_step`), the sharded one (`make_sharded_step`) or the lesson's (`make_train_step`), with
     `opt`'s strategy, which the caller has checked (`check_strategy`, `check_reach`). `segment`: as
     `make_train_step`'s; a local step has no outside calls to wrap."""
-    if opt.local:
+    if isinstance(opt.placement, LocalOptimizer):
         return make_local_step(loss, opt, devices, backend, accumulate=accumulate)
-    build = _sharded_step if opt.sharded else _summed_step
+    build = _sharded_step if isinstance(opt.placement, ShardedOptimizer) else _summed_step
     return build(_OnDevice.of(loss, opt.optimizer, accumulate), opt, devices, backend, segment)
 
 

@@ -16,7 +16,7 @@ different steps, subclasses `Sync` and overrides its schedule and meetings (`mee
 different on purpose); a sync sums with the run's allreduce strategy (any: compressed, fused,
 stateful, outside), so every device leaves it with bit-identical params. The algorithm's own state
 (DiLoCo's θ and outer optimizer state) is part of the optimizer state
-(`jdp.parallel.opt_state.OptState.sync_state`), checkpointed with it.
+(`Sync.state_part`, `jdp.parallel.opt_state.OptState.sync_state`), checkpointed with it.
 """
 
 import dataclasses
@@ -29,7 +29,7 @@ import jax
 
 from jdp.errors import Arg, ConfigError, Message
 from jdp.parallel.layout import Backend, Kinds, map_over_devices
-from jdp.parallel.opt_state import OptState
+from jdp.parallel.opt_state import OptState, SyncState
 from jdp.parallel.strategy import Allreduce
 from jdp.runtime.devices import AXIS
 from jdp.types import PyTree
@@ -106,6 +106,11 @@ class Sync:
     def state_kind(self) -> Kinds:
         """The placement kinds of its state, a pytree prefix of it: the same on every device."""
         return "replicated"
+
+    def state_part(self, device_count: int) -> SyncState | None:
+        """Its share of the optimizer state on `device_count` devices, placed as `state_kind` says; None
+        without `init`."""
+        return None if self.init is None else SyncState(self.init, device_count, self.state_kind)
 
     @property
     def payload_fraction(self) -> float:
@@ -318,7 +323,7 @@ def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[
                                 donate=(0, 1))
 
     def outside(key):  # mapped calls around the sum, whose transfers run between them
-        kinds = ("per_device", opt.sync_kind)  # the params (or what is sent), the sync's state
+        kinds = ("per_device", sync.state_kind)  # the params (or what is sent), the sync's state
         if sync.sends_params:  # no call before the transfers
             p_sent = lambda params, state: params  # noqa: E731
         else:
@@ -345,7 +350,7 @@ def make_consensus(sync: Sync, opt: OptState, devices: Sequence[jax.Device],
     `sync.model` of its state (DiLoCo: θ, the global params of the last sync), else the average of the
     devices' params (local SGD; an evaluation's own sum, not counted as the run's communication)."""
     if sync.model is not None:
-        model = map_over_devices(lambda state: (sync.model(state),), devices, backend, (opt.sync_kind,),
+        model = map_over_devices(lambda state: (sync.model(state),), devices, backend, (sync.state_kind,),
                                  ("replicated",))
         return lambda params, opt_state: model(opt.sync_state(opt_state))[0]
     k = len(devices)

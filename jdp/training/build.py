@@ -14,7 +14,7 @@ from jdp import models
 from jdp.data import Dataset
 from jdp.models import Model
 from jdp.parallel.layout import copies, fetch, place
-from jdp.parallel.opt_state import OptState
+from jdp.parallel.opt_state import LocalOptimizer, OptimizerPart, OptState, ReplicatedOptimizer, ShardedOptimizer
 from jdp.parallel.step import Segment, TrainStep, check_reach, make_step
 from jdp.parallel.strategy import Allreduce
 from jdp.parallel.sync import Sync, make_consensus, make_sync
@@ -98,7 +98,7 @@ class BuiltRun:
         watch = Watch(params, check_replicas, same=_same_on_every_device(model), same_opt_state=opt.replicated_part,
                       comparable=lambda step: not sync.local or sync.agrees_after(step, last_step))
         described = None if checkpoints is None else describe_run(
-            config.to_dict(), dataset, len(self.devices), per_device_state=opt.per_device_strategy_state or opt.local)
+            config.to_dict(), dataset, len(self.devices), per_device_state=opt.per_device_strategy_state or sync.local)
         keeper = Keeper(checkpoints, described=described, steps_per_epoch=steps_per_epoch, watch=watch,
                         host_copy=self.to_host, data_key=jax.random.key_data(data_key), job=job)
         arrays = {"params": start, "opt_state": opt_state, "data_key": keeper.data_key}
@@ -139,4 +139,33 @@ def build_run(config: TrainConfig, devices: Sequence[jax.Device]) -> BuiltRun:
     model = config.build_model()
     trainable = jax.eval_shape(lambda: models.trainable(model, model.init(jax.random.key(0))))
     return BuiltRun(config, tuple(devices), model, config.build_optimizer(), config.strategy(), config.build_sync(),
-                    config.opt_state(trainable, len(devices)))
+                    opt_state_of(config, trainable, len(devices)))
+
+
+def opt_state_of(config: TrainConfig, trainable: PyTree, device_count: int) -> OptState:
+    """How a run of `config` keeps its optimizer state for `trainable` params on `device_count` devices: the one
+    place that decides where the optimizer's state lives (sharded, each device's own, or replicated), composed
+    with the strategy's and the sync algorithm's parts."""
+    optimizer, sync = config.build_optimizer(), config.build_sync()
+    if config.shard_optimizer:
+        placement: OptimizerPart = ShardedOptimizer(optimizer, trainable, device_count)
+    elif sync.local:
+        placement = LocalOptimizer(optimizer, device_count)
+    else:
+        placement = ReplicatedOptimizer(optimizer)
+    return OptState(placement, device_count, config.strategy(), sync.state_part(device_count))
+
+
+def checkpoint_target(config: TrainConfig, device_count: int = 1) -> PyTree:
+    """The structure, shapes and dtypes of the arrays `train` checkpoints, e.g. for `jdp.training.checkpoint.load`.
+
+    `device_count` matters only to what is saved per device: a stateful strategy's state (PowerSGD), and
+    a local sync mode's params and optimizer state.
+    """
+    model = config.build_model()
+    params = model.init(jax.random.key(0))
+    trainable = models.trainable(model, params)
+    opt_state = opt_state_of(config, trainable, device_count).init(trainable, jax.random.key(0))
+    if config.build_sync().local:
+        params = copies(params, device_count)
+    return {"params": params, "opt_state": opt_state, "data_key": jax.random.key_data(jax.random.key(0))}

@@ -13,8 +13,7 @@ from jdp.parallel import compress as compress_lib
 from jdp.parallel import sync as sync_lib
 from jdp.parallel.evaluate import EVAL_ON
 from jdp.parallel.feeders import AUTO
-from jdp.parallel.layout import check_backend, check_divisible, copies
-from jdp.parallel.opt_state import OptState
+from jdp.parallel.layout import check_backend, check_divisible
 from jdp.parallel.step import check_strategy
 from jdp.parallel.strategy import Allreduce
 from jdp.training import formulation, optimizers
@@ -135,13 +134,6 @@ class TrainConfig:
         """The allreduce strategy, fused and compressed if asked."""
         return self._components.strategy
 
-    def opt_state(self, trainable: PyTree, device_count: int) -> OptState:
-        """How this run keeps its optimizer state for `trainable` params on `device_count` devices."""
-        sync = self.build_sync()
-        return OptState(self.build_optimizer(), trainable, device_count, sharded=self.shard_optimizer,
-                        strategy=self.strategy(), local=sync.local, sync_init=sync.init,
-                        sync_kind=sync.state_kind)
-
     def check_fits(self, train_images: int, device_count: int) -> None:
         """Raises ConfigError if the batch cannot be split over the devices or exceeds the train set."""
         check_divisible(self.batch_size, device_count)
@@ -160,6 +152,12 @@ class TrainConfig:
         values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         return {**values, "model": _name(self.model), "allreduce": _name(self.allreduce), "sync": _name(self.sync),
                 "optimizer": self.optimizer if isinstance(self.optimizer, str) else optimizers.OWN}
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "opt_state":  # moved after 0.1.0; see docs/api.md
+            raise AttributeError("`TrainConfig.opt_state(params, k)` is now `jdp.training.build.opt_state_of(config, "
+                                 "params, k)`: the state's layout is decided where the run is built.")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 class Components(NamedTuple):
@@ -212,20 +210,12 @@ def payload_bytes(config: TrainConfig) -> int:
                  * config.build_sync().payload_fraction)
 
 
-def checkpoint_target(config: TrainConfig, device_count: int = 1) -> PyTree:
-    """The structure, shapes and dtypes of the arrays `train` checkpoints, e.g. for `jdp.training.checkpoint.load`.
-
-    `device_count` matters only to what is saved per device: a stateful strategy's state (PowerSGD), and
-    a local sync mode's params and optimizer state.
-    """
-    model = config.build_model()
-    params = model.init(jax.random.key(0))
-    trainable = models.trainable(model, params)
-    opt_state = config.opt_state(trainable, device_count).init(trainable, jax.random.key(0))
-    if config.build_sync().local:
-        params = copies(params, device_count)
-    return {"params": params, "opt_state": opt_state, "data_key": jax.random.key_data(jax.random.key(0))}
-
-
 def _name(choice: str | Model | Allreduce | sync_lib.Sync) -> str:
     return choice if isinstance(choice, str) else choice.name
+
+
+def __getattr__(name: str) -> Any:
+    if name == "checkpoint_target":  # moved after 0.1.0; see docs/api.md
+        raise AttributeError("`jdp.training.config.checkpoint_target` is now `jdp.training.build.checkpoint_target`, "
+                             "beside the state's layout.")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
