@@ -44,6 +44,10 @@ def main() -> None:
     exchanges = {"one way": lambda row: (lax.ppermute(row, AXIS, [(0, 1)]),),
                  "swap": lambda row: (lax.ppermute(row, AXIS, [(0, 1), (1, 0)]),),
                  "psum": lambda row: (lax.psum(row, AXIS),),
+                 "swap as all_to_all": lambda row: (lax.dynamic_slice_in_dim(
+                     lax.all_to_all(jnp.concatenate([row, row]), AXIS, 0, 0, tiled=True), 1 - lax.axis_index(AXIS), 1),),
+                 "swap as all_gather": lambda row: (lax.dynamic_slice_in_dim(
+                     lax.all_gather(row, AXIS, tiled=True), 1 - lax.axis_index(AXIS), 1),),
                  "swap after a psum": lambda row: (lax.ppermute(synced(row), AXIS, [(0, 1), (1, 0)]),),
                  **{f"swap as {n} pieces": lambda row, n=n: (jnp.concatenate(
                      [lax.ppermute(q, AXIS, [(0, 1), (1, 0)]) for q in jnp.split(row, n)]),) for n in PIECES}}

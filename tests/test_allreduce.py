@@ -126,6 +126,22 @@ def test_strategies_send_no_psum():
         assert "ppermute" in text and "psum" not in text
 
 
+def test_a_swap_in_pieces_moves_the_same_bits_as_one_ppermute(devices):
+    """The ring's hop between two processes: a buffer of 3 pieces and a remainder, each piece a ppermute of at
+    most SWAP_PIECE_BYTES, arrives whole and unchanged on the other device."""
+    from jdp.parallel.collectives import SWAP_PIECE_BYTES, swap_in_pieces
+    from jdp.parallel.layout import map_over_devices, place
+
+    n = 3 * SWAP_PIECE_BYTES // 4 + 5  # float32 elements
+    rows = np.random.default_rng(0).standard_normal((2, n)).astype(np.float32)
+    swap = [(0, 1), (1, 0)]
+    jaxpr = str(jax.make_jaxpr(partial(swap_in_pieces, axis_name=AXIS, pairs=swap), axis_env=[(AXIS, 2)])(rows[0]))
+    assert jaxpr.count("ppermute") == 4, jaxpr
+    (got,) = map_over_devices(lambda row: (swap_in_pieces(row, AXIS, swap),), devices[:2], "pmap",
+                              ("per_device",), ("per_device",))(place(rows, "per_device", devices[:2], "pmap"))
+    assert np.asarray(got).tobytes() == rows[::-1].tobytes()
+
+
 # --- a few training steps: replicas bit-identical, params equal to psum's ---------------------
 
 K = 3  # not a power of two: the tree folds one device in

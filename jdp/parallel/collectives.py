@@ -38,6 +38,7 @@ from jdp.errors import Arg, ConfigError
 from jdp.types import PyTree
 
 Groups = tuple[tuple[int, ...], ...]  # device indices on the axis, cut into equal groups; None: one group of all
+SWAP_PIECE_BYTES = 64 * 1024  # the largest piece of a swap between processes (`swap_in_pieces`)
 
 
 def psum(tree: PyTree, axis_name: str) -> PyTree:
@@ -135,7 +136,24 @@ def _send(row: jax.Array, axis_name: str, wire: jnp.dtype | None, groups: Groups
     sent = row if wire is None else row.astype(wire)
     k = group_size(axis_name, groups)
     right = links([(j, (j + 1) % k) for j in range(k)], groups)  # device j sends to j+1 (mod k)
+    if k == 2 and jax.process_count() > 1:  # a swap between processes
+        return swap_in_pieces(sent, axis_name, right).astype(row.dtype)
     return lax.ppermute(sent, axis_name, right).astype(row.dtype)
+
+
+def swap_in_pieces(x: jax.Array, axis_name: str, pairs: list[tuple[int, int]]) -> jax.Array:
+    """`lax.ppermute(x, axis_name, pairs)` in pieces of at most `SWAP_PIECE_BYTES`, one after the other: how
+    the ring hops between two processes.
+
+    With two members each hop is a swap (each device sends to the one it receives from). Gloo's TCP transport,
+    which carries collectives between processes on the CPU, runs the two directions of a large swap one after
+    the other, at half the link's full-duplex rate; pieces this small overlap them (docs/cluster.md, "Where
+    each falls short, and why"). Within one process a swap is a copy, sent whole.
+    """
+    if x.nbytes <= SWAP_PIECE_BYTES:
+        return lax.ppermute(x, axis_name, pairs)
+    pieces = jnp.array_split(x, -(-x.nbytes // SWAP_PIECE_BYTES))
+    return jnp.concatenate([lax.ppermute(piece, axis_name, pairs) for piece in pieces])
 
 
 def tree(tree: PyTree, axis_name: str, groups: Groups | None = None) -> PyTree:
