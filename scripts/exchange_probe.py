@@ -3,8 +3,8 @@
 Run under `jdp launch --hosts 2 --nic RATE -- python scripts/exchange_probe.py BYTES` (as root; the
 launcher appends the job flags). Each process holds BYTES of float32; printed by process 0, the mean of 5
 calls after a warm-up: a one-way `ppermute` (host 0 → host 1), a swap (both ways in one `ppermute`) and
-`psum`, then a swap that starts right after a small psum (both processes enter it together) and the swap cut
-into 4, 16 and 64 `ppermute`s. On a full-duplex link a swap takes as long as a one-way send; measured, a large
+`psum`, the swap as an `all_to_all` and as an `all_gather` (Gloo's own collectives), then a swap that starts
+right after a small psum (both processes enter it together) and the swap cut into 4, 16 and 64 `ppermute`s. On a full-duplex link a swap takes as long as a one-way send; measured, a large
 one takes twice as long, and pieces small enough for the rate (64 KiB at 100mbit) bring it back to one.
 """
 

@@ -343,20 +343,26 @@ def test_nic_model_recovers_alpha_and_predicts_the_other_rates_exactly():
         assert a["worst_relative_error"] < 1e-9
 
 
-def test_nic_model_prices_a_two_host_ppermute_exchange_at_both_directions_bytes():
-    """4 MiB on 2 hosts × 1 device at 100mbit: Gloo's psum sends N each way at once; the ring's swap
-    sends N/2 one way, then N/2 the other, twice: 2N of wire time. With 3 hosts the ring is full duplex."""
+def test_nic_model_prices_a_two_host_ppermute_exchange_as_pieces_both_ways_at_once():
+    """4 MiB on 2 hosts × 1 device at 100mbit: Gloo's psum sends N each way at once; the ring's swaps (one per
+    half, N/2 each) go in pieces of SWAP_PIECE_BYTES, each a message, the bytes both ways at once: N of wire
+    time, 2 · 32 messages. With 3 hosts the ring is full duplex, whole."""
     from jdp.bench import nic_model
+    from jdp.parallel.collectives import SWAP_PIECE_BYTES
 
     n, rate = 2**22, 10**8
     wire = n * nic_model.nic_beta(rate)
     row = {"devices": 2, "size_bytes": n, "hosts": 2, "nic_bps": rate}
-    assert nic_model.transfer_seconds({**row, "algorithm": "psum"}) == pytest.approx(wire)
-    assert nic_model.transfer_seconds({**row, "algorithm": "hierarchical:psum"}) == pytest.approx(wire)
-    assert nic_model.transfer_seconds({**row, "algorithm": "ring"}) == pytest.approx(2 * wire)
-    assert nic_model.transfer_seconds({**row, "algorithm": "hierarchical"}) == pytest.approx(2 * wire)
+    for name in ("psum", "hierarchical:psum", "ring", "hierarchical"):
+        assert nic_model.transfer_seconds({**row, "algorithm": name}) == pytest.approx(wire), name
+    pieces = n // 2 // SWAP_PIECE_BYTES
+    assert nic_model.inter_terms({**row, "algorithm": "ring"}).messages == 2 * pieces
+    assert nic_model.inter_terms({**row, "algorithm": "tree"}).messages == 2 * pieces
+    assert nic_model.inter_terms({**row, "algorithm": "hierarchical"}).messages == 2 * pieces
+    assert nic_model.inter_terms({**row, "algorithm": "psum"}).messages == 2  # Gloo's own: no pieces
     three = {"devices": 3, "size_bytes": n, "hosts": 3, "nic_bps": rate, "algorithm": "ring"}
     assert nic_model.transfer_seconds(three) == pytest.approx(4 / 3 * wire)
+    assert nic_model.inter_terms(three).messages == 4
     two_by_two = {"devices": 4, "size_bytes": n, "hosts": 2, "nic_bps": rate}  # both local devices' N/2 chunks cross
     assert nic_model.transfer_seconds({**two_by_two, "algorithm": "hierarchical:psum"}) == pytest.approx(wire)
     assert nic_model.transfer_seconds({**two_by_two, "algorithm": "ring"}) == pytest.approx(1.5 * wire)  # 4 members
@@ -438,5 +444,5 @@ def test_nic_model_reads_the_exchange_off_a_strategys_cost_not_its_name(ppermute
     n, rate = 2**22, 10**8
     row = {"devices": 2, "size_bytes": n, "hosts": 2, "nic_bps": rate}
     for name in ("my_exchange", "my_exchange+fused"):  # a wrapper keeps its strategy's exchange
-        expected = (2 if ppermutes else 1) * n * nic_model.nic_beta(rate)
+        expected = (2 if ppermutes else 1) * n * nic_model.nic_beta(rate)  # its swaps whole: one way, then the other
         assert nic_model.transfer_seconds({**row, "algorithm": name}) == pytest.approx(expected)

@@ -14,17 +14,16 @@ Every row at the other rates, and the larger rows at the α rate, are held out. 
 are the strategy's own cost (`jdp.Allreduce.cost`) with L devices per host (hierarchical's inner ring stays in memory,
 its outer level has all L devices' chunks cross the one NIC at once).
 
-One property of the transport is part of the description: between two processes, an exchange
-made of `ppermute`s (jdp's ring and tree, and hierarchical's outer ring: each strategy's cost says
-which of its messages are, `jdp.Cost.exchange`) runs its two directions one
-after the other, measured as a swap taking twice a one-way send of the same bytes, while Gloo's own
-allreduce (`psum`) uses both at once. Reading Gloo's TCP pair (gloo/transport/tcp/pair.cc) suggests
-why: a receiver's "ready" notice travels on the same TCP connection as the peer-bound data, and
-queues behind data already being sent. So a ring of ppermutes with two members (a flat ring on 2
-devices, hierarchical's outer ring on 2 hosts) costs both directions' bytes; with 3 or more members
-each device sends on one connection and receives on another, and the ring is full duplex.
+One property of the transport is part of the description: between two processes, an exchange made of
+`ppermute`s with two members (a ring or tree on 2 devices, hierarchical's outer ring on 2 hosts: each
+strategy's cost says which of its messages are, `jdp.Cost.exchange`) is a swap, which Gloo's TCP transport
+runs one direction after the other when it is large: both directions' bytes. jdp's ring and tree send theirs
+in pieces small enough to overlap (`jdp.Cost.swap_piece_bytes`; docs/cluster.md, "Where each falls short, and
+why"): each piece a message, the bytes both ways at once. With 3 or more members each device sends on one
+connection and receives on another, and the ring is full duplex whole.
 """
 
+import math
 import statistics
 from collections.abc import Sequence
 
@@ -56,7 +55,7 @@ def _cost(name: str) -> cost.Cost | None:
 
 def inter_terms(row: dict) -> cost.Terms:
     """m, b of a `jdp bench allreduce` row across the NICs, L = devices / hosts per host; with two hosts,
-    an exchange of `ppermute`s counts both directions' bytes (see the module's docstring)."""
+    an exchange of `ppermute`s counts each of its pieces as a message (see the module's docstring)."""
     priced = _cost(row["algorithm"])
     hosts, k = row["hosts"], row["devices"]
     levels = None if priced is None else priced.terms(k, [row["size_bytes"]], k // hosts)
@@ -64,8 +63,13 @@ def inter_terms(row: dict) -> cost.Terms:
         raise ConfigError(f"`{row['algorithm']}` has no cost for {hosts} hosts: leave it out of the runs.")
     inter = levels["inter"]
     messages = inter.messages + levels["intra"].messages
-    swap = 2.0 if priced.exchange is not None and priced.exchange(k, k // hosts) == 2 else 1.0
-    return cost.Terms(messages, inter.bytes_sent * swap, inter.bytes_reduced, inter.bytes_total, inter.concurrent)
+    if priced.exchange is None or priced.exchange(k, k // hosts) != 2 or not inter.messages:
+        return cost.Terms(messages, inter.bytes_sent, inter.bytes_reduced, inter.bytes_total, inter.concurrent)
+    if priced.swap_piece_bytes is None:  # whole swaps: one direction after the other
+        return cost.Terms(messages, 2 * inter.bytes_sent, inter.bytes_reduced, inter.bytes_total, inter.concurrent)
+    pieces = math.ceil(inter.bytes_sent / inter.messages / priced.swap_piece_bytes)  # each a message, both ways at once
+    return cost.Terms(messages + inter.messages * (pieces - 1), inter.bytes_sent, inter.bytes_reduced,
+                      inter.bytes_total, inter.concurrent)
 
 
 def transfer_seconds(row: dict) -> float:

@@ -23,7 +23,7 @@ from jdp.parallel.strategy import Allreduce, check
 _FLOAT32 = 4  # the gradients' itemsize: a wire's bytes are its dtype's share of it
 
 
-_RING_COST = cost.flat("ring", "ring", ppermutes=True)
+_RING_COST = cost.flat("ring", "ring", ppermutes=True, swap_piece_bytes=collectives.SWAP_PIECE_BYTES)
 
 
 def _ring_wire(dtype: jnp.dtype) -> Allreduce:
@@ -60,7 +60,8 @@ def hierarchical(outer: str = "ring", shape: tuple[int, int] | None = None) -> A
     family = "hierarchical" + ("" if outer == "ring" else f":{outer}")  # what the fit keys it by, any grouping
     name = family + ("" if shape is None else ":{}x{}".format(*shape))
     priced = cost.hierarchical("tree" if outer == "tree" else "ring", shape, family,  # psum: priced as a ring
-                               ppermutes=outer != "psum")
+                               ppermutes=outer != "psum",
+                               swap_piece_bytes=None if outer == "psum" else collectives.SWAP_PIECE_BYTES)
 
     def wire(dtype: jnp.dtype) -> Allreduce:
         return Allreduce(f"{name}+{jnp.dtype(dtype).name}-wire",
@@ -87,7 +88,8 @@ _STRATEGIES: dict[str, Allreduce] = {  # built-ins first, then what users regist
                              all_gather=transfers.manual_ring_all_gather, cost=cost.flat("ring", "manual_ring")),
     "ring": Allreduce("ring", collectives.ring, reduce_scatter=collectives.ring_reduce_scatter,
                       all_gather=collectives.ring_all_gather, wire=_ring_wire, cost=_RING_COST),
-    "tree": Allreduce("tree", collectives.tree, cost=cost.flat("tree", "tree", ppermutes=True)),
+    "tree": Allreduce("tree", collectives.tree,
+                      cost=cost.flat("tree", "tree", ppermutes=True, swap_piece_bytes=collectives.SWAP_PIECE_BYTES)),
     "hierarchical": hierarchical("ring"),
     "hierarchical:tree": hierarchical("tree"),
 }

@@ -136,16 +136,21 @@ def _send(row: jax.Array, axis_name: str, wire: jnp.dtype | None, groups: Groups
     sent = row if wire is None else row.astype(wire)
     k = group_size(axis_name, groups)
     right = links([(j, (j + 1) % k) for j in range(k)], groups)  # device j sends to j+1 (mod k)
-    if k == 2 and jax.process_count() > 1:  # a swap between processes
-        return swap_in_pieces(sent, axis_name, right).astype(row.dtype)
-    return lax.ppermute(sent, axis_name, right).astype(row.dtype)
+    return _permute(sent, axis_name, right, k).astype(row.dtype)
+
+
+def _permute(x: jax.Array, axis_name: str, pairs: list[tuple[int, int]], members: int) -> jax.Array:
+    """`lax.ppermute` among `members` devices; between two processes, where it is a swap, in pieces."""
+    if members == 2 and jax.process_count() > 1:
+        return swap_in_pieces(x, axis_name, pairs)
+    return lax.ppermute(x, axis_name, pairs)
 
 
 def swap_in_pieces(x: jax.Array, axis_name: str, pairs: list[tuple[int, int]]) -> jax.Array:
     """`lax.ppermute(x, axis_name, pairs)` in pieces of at most `SWAP_PIECE_BYTES`, one after the other: how
-    the ring hops between two processes.
+    the ring and the tree exchange between two processes.
 
-    With two members each hop is a swap (each device sends to the one it receives from). Gloo's TCP transport,
+    With two members each step is a swap (each device sends to the one it receives from). Gloo's TCP transport,
     which carries collectives between processes on the CPU, runs the two directions of a large swap one after
     the other, at half the link's full-duplex rate; pieces this small overlap them (docs/cluster.md, "Where
     each falls short, and why"). Within one process a swap is a copy, sent whole.
@@ -180,7 +185,7 @@ def _tree_sum(x: jax.Array, axis_name: str, groups: Groups | None = None) -> jax
     i = group_index(axis_name, groups)
 
     def swap(value: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:  # device a sends to b, for (a, b) in pairs
-        return lax.ppermute(value, axis_name, links(pairs, groups))
+        return _permute(value, axis_name, links(pairs, groups), k)
 
     flat = x.ravel()
     if extra:  # fold: device p+j sends its buffer to device j, which adds it

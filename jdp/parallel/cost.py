@@ -107,11 +107,14 @@ class Cost(NamedTuple):
       exchange: `exchange(k, per_node)`, the members of the ring of `ppermute`s whose messages cross
         between nodes (k for a flat ring or tree, the H nodes for hierarchical's outer ring); None for
         a collective of XLA's own (`psum`, all-gather), which its transport runs (see `jdp.bench.nic_model`).
+      swap_piece_bytes: the largest piece of an exchange with two members between processes, each piece a
+        message (jdp's ring and tree, `jdp.parallel.collectives.swap_in_pieces`); None: sent whole.
     """
 
     terms: Callable[[int, Sequence[float], int | None], Levels | None]
     fits: tuple[str, ...] = ()
     exchange: Callable[[int, int], int] | None = None
+    swap_piece_bytes: int | None = None
 
 
 def flat_terms(algorithm: str, k: int, nbytes: float) -> Terms:
@@ -131,9 +134,10 @@ def flat_terms(algorithm: str, k: int, nbytes: float) -> Terms:
     raise ValueError(f"no flat algorithm `{algorithm}`")
 
 
-def flat(algorithm: str, name: str, ppermutes: bool = False) -> Cost:
+def flat(algorithm: str, name: str, ppermutes: bool = False, swap_piece_bytes: int | None = None) -> Cost:
     """The cost of a flat algorithm ("star", "ring" or "tree") run once per buffer, fitted as `name`;
-    `ppermutes`: made of `ppermute`s over all k devices (`Cost.exchange`).
+    `ppermutes`: made of `ppermute`s over all k devices (`Cost.exchange`), a swap of two in pieces of at most
+    `swap_piece_bytes` (`Cost.swap_piece_bytes`).
 
     Spanning nodes of L devices (numbered node by node), the ring and the star's root cross
     between nodes through one device of a node at a time, all at the inter-node link's pace; the
@@ -155,17 +159,19 @@ def flat(algorithm: str, name: str, ppermutes: bool = False) -> Cost:
                 inter += flat_terms(algorithm, k, nbytes)
         return {"intra": intra, "inter": inter}
 
-    return Cost(terms, (name,), (lambda k, per_node: k) if ppermutes else None)
+    return Cost(terms, (name,), (lambda k, per_node: k) if ppermutes else None, swap_piece_bytes)
 
 
-def hierarchical(outer: str, shape: tuple[int, int] | None, name: str, ppermutes: bool = True) -> Cost:
+def hierarchical(outer: str, shape: tuple[int, int] | None, name: str, ppermutes: bool = True,
+                 swap_piece_bytes: int | None = None) -> Cost:
     """The two-level allreduce's cost: rings of L within each node, then `outer` ("ring" or "tree")
     over the H nodes on N/L-byte chunks, all L devices of a node at once.
 
     L is `shape`'s (H, L) if given (k must then be H·L), else the caller's `per_node`; without
     either it cannot be priced (None). Fitted as `name`, else as the ring. `ppermutes`: the outer
-    level is made of `ppermute`s over the H nodes (`Cost.exchange`); otherwise it is XLA's psum, whose
-    all-reduce combiner merges a step's outer sums into one (priced as one chunk of the leaves).
+    level is made of `ppermute`s over the H nodes (`Cost.exchange`; a swap of two nodes in pieces of at most
+    `swap_piece_bytes`); otherwise it is XLA's psum, whose all-reduce combiner merges a step's outer sums into
+    one (priced as one chunk of the leaves).
     """
 
     def terms(k: int, leaf_bytes: Sequence[float], per_node: int | None) -> Levels | None:
@@ -186,7 +192,7 @@ def hierarchical(outer: str, shape: tuple[int, int] | None, name: str, ppermutes
             inter += _times(flat_terms(outer, hosts, nbytes / local), local).scaled(concurrent=local)
         return {"intra": intra, "inter": inter}
 
-    return Cost(terms, (name, "ring"), (lambda k, per_node: k // per_node) if ppermutes else None)
+    return Cost(terms, (name, "ring"), (lambda k, per_node: k // per_node) if ppermutes else None, swap_piece_bytes)
 
 
 def fused_cost(cost: Cost, bucket_mb: float | None) -> Cost:

@@ -68,14 +68,14 @@ def train(config: TrainConfig, dataset: Dataset, devices: Sequence[jax.Device], 
       ProcessLostError: when a collective failed because another process of the job died.
     """
     config.check_fits(len(dataset.train.labels), len(devices))
+    steps_per_epoch = len(dataset.train.labels) // config.batch_size
+    last_step = steps_per_epoch * config.epochs
+    hooks.check(config, last_step)
     if checkpoints is not None:
         checkpoint.check_directory(checkpoints.checkpoint_dir, resume=checkpoints.resume)
     resumed_from = None if checkpoints is None or not checkpoints.resume else checkpoints.checkpoint_dir
     config, _ = formulation.settle(config, devices, resumed_from, resumed_from is not None)
     run: BuiltRun = build_run(config, devices)
-    steps_per_epoch = len(dataset.train.labels) // config.batch_size
-    last_step = steps_per_epoch * config.epochs
-    hooks.check(config, last_step)
     job = faults.JobWatch(guards.collective_timeout, guards.on_lost)  # a no-op with one process
     keeper, state, data_key = run.start(dataset, checkpoints, guards.check_replicas, job)
     after_call = hooks.after_call(keeper)
