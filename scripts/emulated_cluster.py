@@ -31,6 +31,7 @@ STRATEGIES = ("psum", "ring", "hierarchical", "hierarchical:psum")
 EPOCHS = 4
 TRAIN_IMAGES = 2048  # the synthetic set's training split
 BATCH = 256
+RESULTS = "experiments/results/emulated-cluster"
 
 
 def epoch_seconds(history: Path) -> list[float]:
@@ -51,12 +52,14 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="experiments/results/emulated-cluster/train", help="where the results go")
-    p.add_argument("--nic-model-json", default="experiments/results/emulated-cluster/nic_model.json",
-                   help="α per algorithm: the nic_model.json of `jdp bench allreduce --fit ... --nic-model --out`")
+    p.add_argument("--out", help=f"where the results go (default: {RESULTS}/MODE/train, MODE realtime or time-shared)")
+    p.add_argument("--nic-model-json", help="α per algorithm: the nic_model.json of `jdp bench allreduce --fit ... "
+                   f"--nic-model --out` (default: {RESULTS}/MODE/nic_model.json)")
     p.add_argument("--realtime", action="store_true", help="real-time hosts (`jdp launch --realtime`)")
     args = p.parse_args()
-    out = Path(args.out)
+    mode = Path(RESULTS) / ("realtime" if args.realtime else "time-shared")
+    out = Path(args.out or mode / "train")
+    nic_model_json = Path(args.nic_model_json or mode / "nic_model.json")
     out.mkdir(parents=True, exist_ok=True)
     jdp = [sys.executable, "-m", "jdp"]
     train = ["train", "--dataset", "synthetic", "--epochs", str(EPOCHS), "--no-progress", "--formulation", "fast"]
@@ -73,7 +76,7 @@ def main() -> None:
     from jdp.bench import nic_model, predict
     from jdp.parallel import cost
 
-    alphas = {a["algorithm"]: a["alpha_s"] for a in json.loads(Path(args.nic_model_json).read_text())["algorithms"].values()
+    alphas = {a["algorithm"]: a["alpha_s"] for a in json.loads(nic_model_json.read_text())["algorithms"].values()
               if (a["hosts"], a["per_host"]) == (2, 1)}
     leaves = predict.gradient_leaf_bytes("lenet")
     def step_on_cluster(strategy: str, rate: str) -> float:

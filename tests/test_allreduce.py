@@ -142,6 +142,30 @@ def test_a_swap_in_pieces_moves_the_same_bits_as_one_ppermute(devices):
     assert np.asarray(got).tobytes() == rows[::-1].tobytes()
 
 
+def test_swaps_go_in_pieces_only_between_processes(monkeypatch):
+    """Devices ordered process by process, 2 per process (as under `jax.process_count() == 2`): a swap inside a
+    process stays whole, one between processes goes in pieces; a ring of 4 is no swap. The ring of 2 (one
+    device per process) and hierarchical's outer ring cut theirs; hierarchical's inner ring does not."""
+    from jdp.parallel import collectives
+    from jdp.parallel.collectives import SWAP_PIECE_BYTES, swaps_between_processes
+
+    def traced(fn, k, n):
+        return str(jax.make_jaxpr(partial(fn, axis_name=AXIS), axis_env=[(AXIS, k)])(jnp.ones(n)))
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    check = partial(jax.make_jaxpr, axis_env=[(AXIS, 4)])
+    for pairs, expected in (([(0, 1), (1, 0), (2, 3), (3, 2)], False), ([(0, 2), (2, 0), (1, 3), (3, 1)], True),
+                            ([(0, 1), (1, 2), (2, 3), (3, 0)], False)):
+        found = []
+        check(lambda x, pairs=pairs: found.append(swaps_between_processes(pairs, AXIS)) or x)(1.0)
+        assert found == [expected], pairs
+    n = 8 * SWAP_PIECE_BYTES // 4  # float32 elements: chunks of 4 pieces on 2 devices
+    assert traced(collectives.ring, 2, n).count("ppermute") == 2 * 4
+    assert traced(partial(collectives.hierarchical, shape=(2, 2)), 4, n).count("ppermute") == 2 + 2 * 2
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    assert traced(collectives.ring, 2, n).count("ppermute") == 2
+
+
 # --- a few training steps: replicas bit-identical, params equal to psum's ---------------------
 
 K = 3  # not a power of two: the tree folds one device in

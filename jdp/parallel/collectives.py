@@ -136,24 +136,35 @@ def _send(row: jax.Array, axis_name: str, wire: jnp.dtype | None, groups: Groups
     sent = row if wire is None else row.astype(wire)
     k = group_size(axis_name, groups)
     right = links([(j, (j + 1) % k) for j in range(k)], groups)  # device j sends to j+1 (mod k)
-    return _permute(sent, axis_name, right, k).astype(row.dtype)
+    return _permute(sent, axis_name, right).astype(row.dtype)
 
 
-def _permute(x: jax.Array, axis_name: str, pairs: list[tuple[int, int]], members: int) -> jax.Array:
-    """`lax.ppermute` among `members` devices; between two processes, where it is a swap, in pieces."""
-    if members == 2 and jax.process_count() > 1:
+def _permute(x: jax.Array, axis_name: str, pairs: list[tuple[int, int]]) -> jax.Array:
+    """`lax.ppermute`; a swap between processes in pieces (`swap_in_pieces`)."""
+    if swaps_between_processes(pairs, axis_name):
         return swap_in_pieces(x, axis_name, pairs)
     return lax.ppermute(x, axis_name, pairs)
 
 
+def swaps_between_processes(pairs: Sequence[tuple[int, int]], axis_name: str) -> bool:
+    """Whether `ppermute`'s (source, destination) `pairs` are swaps (each device sends to the one it receives
+    from) and some cross between processes. jdp's devices are ordered process by process, the same number
+    from each (`jdp.select_devices`); another order changes only whether a swap goes in pieces, not its bits."""
+    if jax.process_count() == 1 or not set(pairs) == {(b, a) for a, b in pairs}:
+        return False
+    per_process = lax.axis_size(axis_name) // jax.process_count()
+    return any(a // per_process != b // per_process for a, b in pairs)
+
+
 def swap_in_pieces(x: jax.Array, axis_name: str, pairs: list[tuple[int, int]]) -> jax.Array:
     """`lax.ppermute(x, axis_name, pairs)` in pieces of at most `SWAP_PIECE_BYTES`, one after the other: how
-    the ring and the tree exchange between two processes.
+    the ring and the tree swap between processes.
 
-    With two members each step is a swap (each device sends to the one it receives from). Gloo's TCP transport,
-    which carries collectives between processes on the CPU, runs the two directions of a large swap one after
-    the other, at half the link's full-duplex rate; pieces this small overlap them (docs/cluster.md, "Where
-    each falls short, and why"). Within one process a swap is a copy, sent whole.
+    A ring step with two members, and every step of the tree's halving and doubling, is a swap (each device
+    sends to the one it receives from). Gloo's TCP transport, which carries collectives between processes on
+    the CPU, runs the two directions of a large swap one after the other, at half the link's full-duplex rate;
+    pieces this small overlap them (docs/cluster.md, "Where each falls short, and why"). Within one process a
+    swap is a copy, sent whole.
     """
     if x.nbytes <= SWAP_PIECE_BYTES:
         return lax.ppermute(x, axis_name, pairs)
@@ -185,7 +196,7 @@ def _tree_sum(x: jax.Array, axis_name: str, groups: Groups | None = None) -> jax
     i = group_index(axis_name, groups)
 
     def swap(value: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:  # device a sends to b, for (a, b) in pairs
-        return _permute(value, axis_name, links(pairs, groups), k)
+        return _permute(value, axis_name, links(pairs, groups))
 
     flat = x.ravel()
     if extra:  # fold: device p+j sends its buffer to device j, which adds it
