@@ -107,8 +107,9 @@ class Cost(NamedTuple):
       exchange: `exchange(k, per_node)`, the members of the ring of `ppermute`s whose messages cross
         between nodes (k for a flat ring or tree, the H nodes for hierarchical's outer ring); None for
         a collective of XLA's own (`psum`, all-gather), which its transport runs (see `jdp.bench.nic_model`).
-      swap_piece_bytes: the largest piece of an exchange with two members between processes, each piece a
-        message (jdp's ring and tree, `jdp.parallel.collectives.swap_in_pieces`); None: sent whole.
+      swap_piece_bytes: the largest piece of a swap between processes, each piece a message (jdp's ring and
+        tree, `jdp.parallel.collectives.swap_in_pieces`); None: sent whole. The NIC model prices the pieces of
+        an exchange with two members (`jdp.bench.nic_model`).
     """
 
     terms: Callable[[int, Sequence[float], int | None], Levels | None]
