@@ -17,7 +17,7 @@ import jdp
 from jdp.errors import ConfigError
 from jdp.parallel import compress
 from jdp.parallel.layout import sharded
-from jdp.parallel.opt_state import LocalOptimizer, OptState, ReplicatedOptimizer, ShardedOptimizer
+from jdp.parallel.opt_state import OptState, ReplicatedOptimizer
 from jdp.runtime.devices import AXIS
 from jdp.training import checkpoint
 from jdp.training.build import checkpoint_target

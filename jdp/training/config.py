@@ -17,7 +17,6 @@ from jdp.parallel.layout import check_backend, check_divisible
 from jdp.parallel.step import check_strategy
 from jdp.parallel.strategy import Allreduce
 from jdp.training import formulation, optimizers
-from jdp.types import PyTree
 
 if TYPE_CHECKING:
     import optax
