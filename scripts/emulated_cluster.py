@@ -89,7 +89,8 @@ def main() -> None:
     def predicted_step(strategy: str, rate: str, compute_s: float, alpha: float) -> dict:
         bps = cluster.parse_rate(rate)
         one_byte = {"algorithm": strategy, "devices": 2, "hosts": 2, "size_bytes": 1, "nic_bps": bps}
-        swap = nic_model.inter_terms(one_byte).bytes_sent  # 2 for an exchange of ppermutes between two hosts, else 1
+        swap = nic_model.inter_terms(one_byte).bytes_sent  # 2 for whole swaps between two hosts, else 1 (jdp's
+        # ring and hierarchical send theirs in pieces: the pieces' extra messages, LeNet's 1-4, are not priced here)
         network = predict.Cluster(1, cost.Link(0.0, 0.0, "memory"),  # a device per host: every sum crosses the NIC
                                   cost.Link(alpha, nic_model.nic_beta(bps) * swap, "nic"), 1, f"2 hosts, {rate}")
         return predict.predict(leaves, compute_s, [2], [strategy], network)[0]["strategies"][strategy]
