@@ -23,6 +23,7 @@ why"): each piece a message, the bytes both ways at once. With 3 or more members
 connection and receives on another, and the ring is full duplex whole.
 """
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
@@ -62,14 +63,13 @@ def inter_terms(row: dict) -> cost.Terms:
     if levels is None:
         raise ConfigError(f"`{row['algorithm']}` has no cost for {hosts} hosts: leave it out of the runs.")
     inter = levels["inter"]
-    messages = inter.messages + levels["intra"].messages
-    if priced.exchange is None or priced.exchange(k, k // hosts) != 2 or not inter.messages:
-        return cost.Terms(messages, inter.bytes_sent, inter.bytes_reduced, inter.bytes_total, inter.concurrent)
-    if priced.swap_piece_bytes is None:  # whole swaps: one direction after the other
-        return cost.Terms(messages, 2 * inter.bytes_sent, inter.bytes_reduced, inter.bytes_total, inter.concurrent)
-    pieces = math.ceil(inter.bytes_sent / inter.messages / priced.swap_piece_bytes)  # each a message, both ways at once
-    return cost.Terms(messages + inter.messages * (pieces - 1), inter.bytes_sent, inter.bytes_reduced,
-                      inter.bytes_total, inter.concurrent)
+    messages, bytes_sent = inter.messages + levels["intra"].messages, inter.bytes_sent
+    if priced.exchange is not None and priced.exchange(k, k // hosts) == 2 and inter.messages:  # swaps
+        if priced.swap_piece_bytes is None:  # whole: one direction after the other
+            bytes_sent *= 2
+        else:  # in pieces, each a message, both ways at once
+            messages += inter.messages * (math.ceil(bytes_sent / inter.messages / priced.swap_piece_bytes) - 1)
+    return dataclasses.replace(inter, messages=messages, bytes_sent=bytes_sent)
 
 
 def transfer_seconds(row: dict) -> float:
