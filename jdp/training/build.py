@@ -107,11 +107,9 @@ class BuiltRun:
         return keeper, self.placed(arrays["params"], arrays["opt_state"]), jax.random.wrap_key_data(arrays["data_key"])
 
     def initial_state(self, variables: PyTree, key: jax.Array) -> tuple[PyTree, PyTree]:
-        """(params, opt_state) before step 1, in their host form (what a checkpoint holds): the model's
-        `variables` (a local sync: one copy per device, each then its own) and the optimizer state, a
-        stateful strategy's seeded by `key`."""
-        params = copies(variables, len(self.devices)) if self.sync.local else variables
-        return params, self.opt.init(models.trainable(self.model, variables), key)
+        """(params, opt_state) before step 1, in their host form: `host_state` of this run's model, state layout
+        and sync."""
+        return host_state(self.model, self.opt, self.sync, variables, key)
 
     def placed(self, params: PyTree, opt_state: PyTree) -> tuple[PyTree, PyTree]:
         """The host form (`initial_state`, or a checkpoint's) on the devices, as the step takes it."""
@@ -162,10 +160,16 @@ def checkpoint_target(config: TrainConfig, device_count: int = 1) -> PyTree:
     `device_count` matters only to what is saved per device: a stateful strategy's state (PowerSGD), and
     a local sync mode's params and optimizer state.
     """
-    model = config.build_model()
-    params = model.init(jax.random.key(0))
-    trainable = models.trainable(model, params)
-    opt_state = opt_state_of(config, trainable, device_count).init(trainable, jax.random.key(0))
-    if config.build_sync().local:
-        params = copies(params, device_count)
-    return {"params": params, "opt_state": opt_state, "data_key": jax.random.key_data(jax.random.key(0))}
+    model, key = config.build_model(), jax.random.key(0)
+    variables = model.init(key)
+    opt = opt_state_of(config, models.trainable(model, variables), device_count)
+    params, opt_state = host_state(model, opt, config.build_sync(), variables, key)
+    return {"params": params, "opt_state": opt_state, "data_key": jax.random.key_data(key)}
+
+
+def host_state(model: Model, opt: OptState, sync: Sync, variables: PyTree, key: jax.Array) -> tuple[PyTree, PyTree]:
+    """(params, opt_state) before step 1, in their host form (what a checkpoint holds): the model's `variables`
+    (a local sync: one copy per device, each then its own) and the optimizer state, a stateful strategy's seeded
+    by `key`."""
+    params = copies(variables, opt.device_count) if sync.local else variables
+    return params, opt.init(models.trainable(model, variables), key)
