@@ -30,7 +30,8 @@ from jdp.parallel.opt_state import init_sharded as init_sharded_opt_state
 from jdp.parallel.step import make_local_step, make_sharded_step, make_train_step
 from jdp.parallel.strategy import Allreduce
 from jdp.parallel.streaming import StreamingDiLoCo, streaming_diloco
-from jdp.parallel.sync import Sync
+from jdp.parallel.sync import DiLoCo, Sync
+from jdp.parallel.sync import get as get_sync
 from jdp.parallel.sync import names as sync_names
 from jdp.parallel.sync import register as register_sync
 from jdp.runtime.devices import AXIS, select_devices, simulate_cpu_devices
@@ -74,6 +75,7 @@ __all__ = [
     "Cost",
     "DataError",
     "Dataset",
+    "DiLoCo",
     "DeviceError",
     "EpochRecord",
     "Guards",
@@ -101,6 +103,7 @@ __all__ = [
     "fused",
     "get_allreduce",
     "get_model",
+    "get_sync",
     "init_sharded_opt_state",
     "load_dataset",
     "low_precision",

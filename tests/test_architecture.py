@@ -128,7 +128,7 @@ def test_sync_recipe_is_exact_at_h1(ema_average_plugin, devices):
     config = jdp.TrainConfig(batch_size=32, lr=0.1, epochs=1)  # 8 steps
     every_step, every_history = jdp.train(config, small, devices[:4])
     for decay, close in ((0.0, True), (0.9, False)):
-        synced = dataclasses.replace(config, sync=ema_average.ema_average(decay), sync_every=1)
+        synced = dataclasses.replace(config, sync=jdp.get_sync(ema_average.ema_average(decay), every=1))
         params, history = jdp.train(synced, small, devices[:4], guards=jdp.Guards(check_replicas=1))
         assert history[0].syncs == 8
         assert history[0].train_loss == pytest.approx(every_history[0].train_loss, rel=1e-6)
@@ -217,7 +217,7 @@ def test_a_config_builds_its_components_once_for_a_whole_run(monkeypatch, tmp_pa
         return wrapper
 
     for module, function, name in ((models, "get", "model"), (optimizers, "make", "optimizer"),
-                                   (allreduce, "get", "strategy"), (sync, "from_settings", "sync")):
+                                   (allreduce, "get", "strategy"), (sync, "get", "sync")):
         monkeypatch.setattr(module, function, counted(name, getattr(module, function)))
     config = jdp.TrainConfig(batch_size=32, epochs=1, model="lenet", optimizer="momentum", allreduce="psum",
                              sync="every-step", formulation="fast")

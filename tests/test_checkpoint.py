@@ -193,7 +193,7 @@ SHARDED_ADAMW = ["--optimizer", "adamw", "--lr", "0.001", "--shard-optimizer"]
 DILOCO = ["--sync", "diloco", "--sync-every", "5"]
 RUNS = {"sgd": ([], TrainConfig(lr=0.1)),
         "sharded-adamw": (SHARDED_ADAMW, TrainConfig(lr=0.001, optimizer="adamw", shard_optimizer=True)),
-        "diloco": (DILOCO, TrainConfig(lr=0.1, sync="diloco", sync_every=5))}
+        "diloco": (DILOCO, TrainConfig(lr=0.1, sync=jdp.DiLoCo(every=5)))}
 
 
 @pytest.mark.slow

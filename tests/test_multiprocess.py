@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from jdp import data
+from jdp import DiLoCo, data
 from jdp.errors import ConfigError
 from jdp.parallel import layout
 from jdp.runtime import distributed, launch
@@ -122,7 +122,7 @@ def test_one_process_loads_every_row(devices):
 PREAMBLE = textwrap.dedent("""
     import argparse
     import numpy as np
-    from jdp import data
+    from jdp import DiLoCo, data
     from jdp.runtime import devices, distributed
     from jdp.training.guards import Guards
     from jdp.training.loop import TrainConfig, train
@@ -154,7 +154,7 @@ DRIVER = PREAMBLE + textwrap.dedent("""
 # a process's gradients moves elements by a sizeable part of lr; a doubled sum, which AdamW cannot see, is the sgd case's.
 ZERO = {"optimizer": "adamw", "lr": 1e-3, "accumulate": 2, "shard_optimizer": True}
 # DiLoCo across processes: per-device params and momentum between syncs, θ and the outer momentum synced every 3 steps.
-DILOCO = {"sync": "diloco", "sync_every": 3, "optimizer": "momentum", "lr": 0.05}
+DILOCO = {"sync": DiLoCo(every=3), "optimizer": "momentum", "lr": 0.05}  # written into the driver by its repr
 
 
 @pytest.mark.slow

@@ -42,15 +42,16 @@ def max_difference(a, b):
 # ---- exactness: one fragment, no delay, float32 is DiLoCo ---------------------------------------
 
 @pytest.mark.parametrize("settings", [
-    {"sync_every": 3},  # 16 steps: the last step's sync is off the schedule
-    pytest.param({"sync_every": 4}, marks=pytest.mark.slow),
-    pytest.param({"sync_every": 4, "allreduce": "ring"}, marks=pytest.mark.slow),
-    pytest.param({"sync_every": 3, "allreduce": "manual"}, marks=pytest.mark.slow),  # outside: copies between calls
-    pytest.param({"sync_every": 4, "backend": "shard_map"}, marks=pytest.mark.slow),
-], ids=lambda s: "-".join(str(v) for v in s.values()))
+    (3, {}),  # 16 steps: the last step's sync is off the schedule
+    pytest.param((4, {}), marks=pytest.mark.slow),
+    pytest.param((4, {"allreduce": "ring"}), marks=pytest.mark.slow),
+    pytest.param((3, {"allreduce": "manual"}), marks=pytest.mark.slow),  # outside: copies between calls
+    pytest.param((4, {"backend": "shard_map"}), marks=pytest.mark.slow),
+], ids=lambda s: "-".join(map(str, (s[0], *s[1].values()))))
 def test_one_fragment_without_delay_in_float32_is_diloco_bit_for_bit(settings, devices):
-    diloco, diloco_history = run(devices, sync="diloco", **settings)
-    stream, history = run(devices, sync="streaming-diloco", fragments=1, **settings)
+    every, others = settings
+    diloco, diloco_history = run(devices, sync=jdp.DiLoCo(every=every), **others)
+    stream, history = run(devices, sync=jdp.StreamingDiLoCo(every=every, fragments=1), **others)
     assert_bit_identical(diloco, stream)
     assert [r.train_loss for r in history] == [r.train_loss for r in diloco_history]
     assert [r.syncs for r in history] == [r.syncs for r in diloco_history]
@@ -61,23 +62,25 @@ def test_one_fragment_without_delay_in_float32_is_diloco_bit_for_bit(settings, d
                          ids=["F2", "tau1"])
 def test_the_exactness_test_can_fail(settings, devices):
     """Two fragments, or one merged a step late, are other algorithms: far from DiLoCo."""
-    diloco, _ = run(devices, epochs=1, sync="diloco", sync_every=4)
-    assert max_difference(diloco, run(devices, epochs=1, sync="streaming-diloco", sync_every=4, **settings)[0]) > 1e-5
+    diloco, _ = run(devices, epochs=1, sync=jdp.DiLoCo(every=4))
+    assert max_difference(diloco, run(devices, epochs=1, sync=jdp.StreamingDiLoCo(every=4, **settings))[0]) > 1e-5
 
 
 @pytest.mark.parametrize("settings", [
-    {"fragments": 4, "sync_delay": 1, "outer_dtype": "int8"},
-    pytest.param({"fragments": 4, "sync_delay": 1, "outer_dtype": "int8", "error_feedback": True},  # per-device state
-                 marks=pytest.mark.slow),  # fast sibling: test_error_feedback_keeps_what_the_wire_lost_and_sends_it_next_time
-    pytest.param({"fragments": 2, "outer_dtype": "fp8"}, marks=pytest.mark.slow),
-    pytest.param({"fragments": 4, "outer_dtype": "bf16", "allreduce": "manual"}, marks=pytest.mark.slow),
-    pytest.param({"fragments": 4, "sync_delay": 3, "allreduce": "ring", "backend": "shard_map"},
+    ({"fragments": 4, "sync_delay": 1, "outer_dtype": "int8"}, {}),
+    pytest.param(({"fragments": 4, "sync_delay": 1, "outer_dtype": "int8", "error_feedback": True}, {}),  # per-device
+                 marks=pytest.mark.slow),  # state; fast sibling: test_error_feedback_keeps_what_the_wire_lost_and_sends_it_next_time
+    pytest.param(({"fragments": 2, "outer_dtype": "fp8"}, {}), marks=pytest.mark.slow),
+    pytest.param(({"fragments": 4, "outer_dtype": "bf16"}, {"allreduce": "manual"}), marks=pytest.mark.slow),
+    pytest.param(({"fragments": 4, "sync_delay": 3}, {"allreduce": "ring", "backend": "shard_map"}),
                  marks=pytest.mark.slow),
-], ids=lambda s: "-".join(str(v) for v in s.values()))
+], ids=lambda s: "-".join(str(v) for part in s for v in part.values()))
 def test_every_setting_trains_and_ends_with_identical_replicas(settings, devices):
     """`check_replicas=1` compares every device's params (and θ, the outer states) after the final meeting."""
-    params, history = run(devices, epochs=1, sync="streaming-diloco", sync_every=8, **settings)
-    assert history[-1].syncs == 8 // (8 // settings["fragments"]) - 1 + settings["fragments"]
+    streaming_settings, others = settings
+    sync = jdp.StreamingDiLoCo(every=8, **streaming_settings)
+    params, history = run(devices, epochs=1, sync=sync, **others)
+    assert history[-1].syncs == 8 // (8 // sync.fragments) - 1 + sync.fragments
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
@@ -150,7 +153,7 @@ def test_fragments_cover_every_element_once_in_equal_parts(sizes, fragments):
 
 def test_each_sync_sends_one_fragment_the_peak_is_1_over_f_of_dilocos(devices):
     """The LeNet's largest leaf is 78% of it, so fragments are cut across leaves: every send is ≈ 1/4."""
-    config = dataclasses.replace(BASE, sync="streaming-diloco", sync_every=8, fragments=4)
+    config = dataclasses.replace(BASE, sync=jdp.StreamingDiLoCo(every=8, fragments=4))
     sync, params = config.build_sync(), config.build_model().init(jax.random.key(0))
     state = sync.init(params)
     whole = sum(np.size(x) for x in jax.tree.leaves(params))
@@ -159,8 +162,9 @@ def test_each_sync_sends_one_fragment_the_peak_is_1_over_f_of_dilocos(devices):
     diloco = payload_bytes(dataclasses.replace(BASE, sync="diloco"))
     assert diloco == 4 * whole
     assert payload_bytes(config) == diloco / 4
-    assert payload_bytes(dataclasses.replace(config, outer_dtype="int8")) == pytest.approx(diloco / 16, abs=1)
-    assert payload_bytes(dataclasses.replace(config, outer_dtype="bf16")) == pytest.approx(diloco / 8, abs=1)
+    for dtype, fraction in (("int8", 1 / 16), ("bf16", 1 / 8)):
+        narrow = dataclasses.replace(config, sync=dataclasses.replace(config.sync, outer_dtype=dtype))
+        assert payload_bytes(narrow) == pytest.approx(diloco * fraction, abs=1)
 
 
 # ---- the quantized wire ------------------------------------------------------------------------
@@ -210,7 +214,7 @@ def test_the_quantized_gather_gives_every_device_the_same_sum(wire, devices):
 # ---- state, resume -------------------------------------------------------------------------------
 
 def test_the_state_holds_theta_and_one_outer_state_per_fragment():
-    config = dataclasses.replace(BASE, sync="streaming-diloco", sync_every=8, fragments=4)
+    config = dataclasses.replace(BASE, sync=jdp.StreamingDiLoCo(every=8, fragments=4))
     outer = checkpoint_target(config, device_count=2)["opt_state"]["outer"]
     assert len(outer["optimizer"]) == 4
     trace = sum(np.size(t) for t in jax.tree.leaves(outer["optimizer"]))  # Nesterov's momentum: θ's size
@@ -221,8 +225,8 @@ def test_the_state_holds_theta_and_one_outer_state_per_fragment():
 def test_streaming_resumed_mid_interval_ends_bit_identical(tmp_path, devices):
     """Killed after step 6 of H = 8, F = 4, TAU = 1, int8 with error feedback (fragment 2 sent at 6, its merge
     due at 7): resumed, the run ends with the same params and history as an uninterrupted one, bit for bit."""
-    config = dataclasses.replace(BASE, epochs=1, sync="streaming-diloco", sync_every=8, fragments=4, sync_delay=1,
-                                 outer_dtype="int8", error_feedback=True)
+    config = dataclasses.replace(BASE, epochs=1, sync=jdp.StreamingDiLoCo(every=8, fragments=4, sync_delay=1,
+                                                                          outer_dtype="int8", error_feedback=True))
     whole, whole_history = train(dataclasses.replace(config, epochs=2), small_set(256), devices[:4])
     train(config, small_set(256), devices[:4], checkpoints=jdp.Checkpoints(tmp_path, checkpoint_every=3))  # 3, 6, 8
     newest = checkpoint.list_checkpoints(tmp_path)[0]
@@ -237,28 +241,30 @@ def test_streaming_resumed_mid_interval_ends_bit_identical(tmp_path, devices):
 
 # ---- settings -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("settings, message", [
-    ({"sync": "streaming-diloco", "sync_every": 6, "fragments": 4}, "`sync_every=6` does not split into "
-                                                                     "`fragments=4`"),
-    ({"sync": "streaming-diloco", "fragments": 0}, "`fragments` must be a positive number, got 0"),
-    ({"sync": "streaming-diloco", "sync_delay": 16}, r"`sync_delay` must be in \[0, `sync_every`=16\), got 16"),
-    ({"sync": "streaming-diloco", "outer_dtype": "fp4"}, "Unknown `outer_dtype=fp4`"),
-    ({"sync": "streaming-diloco", "compress": "powersgd"}, "keeps per-device state shaped as the whole model"),
-    ({"sync": "diloco", "fragments": 2}, "`fragments=2` is a setting of `sync=streaming-diloco`, not of "
-                                         "`sync=diloco`"),
-    ({"sync": "streaming-diloco", "outer_lr": -1.0}, "`outer_lr` must be positive"),
-    ({"sync": "streaming-diloco", "error_feedback": True}, "with `outer_dtype=float32` nothing is"),
+@pytest.mark.parametrize("sync, every, settings, message", [
+    ("streaming-diloco", 6, {"fragments": 4}, "`sync_every=6` does not split into `fragments=4`"),
+    ("streaming-diloco", None, {"fragments": 0}, "`fragments` must be a positive number, got 0"),
+    ("streaming-diloco", None, {"sync_delay": 16}, r"`sync_delay` must be in \[0, `sync_every`=16\), got 16"),
+    ("streaming-diloco", None, {"outer_dtype": "fp4"}, "Unknown `outer_dtype=fp4`"),
+    ("diloco", None, {"fragments": 2}, "`fragments=2` is a setting of `sync=streaming-diloco`, not of `sync=diloco`"),
+    ("streaming-diloco", None, {"outer_lr": -1.0}, "`outer_lr` must be positive"),
+    ("streaming-diloco", None, {"error_feedback": True}, "with `outer_dtype=float32` nothing is"),
 ])
-def test_bad_settings_are_refused_by_name(settings, message):
+def test_bad_settings_are_refused_by_name(sync, every, settings, message):
     with pytest.raises(ConfigError, match=message):
-        TrainConfig(**settings)
+        jdp.get_sync(sync, every, **settings)
+
+
+def test_a_strategy_it_cannot_sum_with_is_refused_by_name():
+    with pytest.raises(ConfigError, match="keeps per-device state shaped as the whole model"):
+        TrainConfig(sync="streaming-diloco", compress="powersgd")
 
 
 def test_the_mixing_factor_is_checked_when_replaced():
     with pytest.raises(ConfigError, match=r"`mixing` must be in \[0, 1\], got 1.5"):
         dataclasses.replace(jdp.streaming_diloco(), mixing=1.5)
     with pytest.raises(ConfigError, match=r"`mixing` must be in \[0, 1\], got -0.5"):
-        TrainConfig(sync="streaming-diloco", mixing=-0.5)
+        jdp.StreamingDiLoCo(mixing=-0.5)
 
 
 def test_the_cli_names_its_flags(capsys):

@@ -15,8 +15,9 @@ from jdp.errors import ConfigError
 from jdp.parallel import layout
 from jdp.parallel.layout import fetch
 from jdp.parallel.step import make_local_step
-from jdp.parallel.sync import Sync, from_settings
-from jdp.training import checkpoint
+from jdp.parallel.sync import DiLoCo, Sync
+from jdp.parallel.sync import get as get_sync
+from jdp.training import checkpoint, resume
 from jdp.training.build import checkpoint_target, opt_state_of
 from jdp.training.config import TrainConfig
 from jdp.training.loop import train
@@ -48,14 +49,14 @@ def every_step():
 # ---- exactness: the local modes reduce to every-step training ------------------------------------
 
 @pytest.mark.parametrize("settings", [
-    {"sync": "local-sgd", "sync_every": 1},
-    pytest.param({"sync": "local-sgd", "sync_every": 1, "backend": "shard_map"}, marks=pytest.mark.slow),
+    {"sync": get_sync("local-sgd", 1)},
+    pytest.param({"sync": get_sync("local-sgd", 1), "backend": "shard_map"}, marks=pytest.mark.slow),
     # an outside strategy: copies between calls
-    pytest.param({"sync": "local-sgd", "sync_every": 1, "allreduce": "manual"}, marks=pytest.mark.slow),
-    {"sync": "diloco", "sync_every": 1, "outer_optimizer": "sgd", "outer_lr": 1.0},
-    pytest.param({"sync": "diloco", "sync_every": 1, "outer_optimizer": "sgd", "outer_lr": 1.0, "allreduce": "ring"},
+    pytest.param({"sync": get_sync("local-sgd", 1), "allreduce": "manual"}, marks=pytest.mark.slow),
+    {"sync": DiLoCo(every=1, outer_optimizer="sgd", outer_lr=1.0)},
+    pytest.param({"sync": DiLoCo(every=1, outer_optimizer="sgd", outer_lr=1.0), "allreduce": "ring"},
                  marks=pytest.mark.slow),
-], ids=lambda s: "-".join(str(v) for v in s.values()))
+], ids=lambda s: "-".join(str(getattr(v, "name", v)) for v in s.values()))
 def test_h1_equals_every_step_training_up_to_rounding(settings, every_step, devices):
     """H = 1 with plain SGD: the mean of k updates on B/k rows each is the update on the full batch
     (local SGD); with an outer SGD at lr 1 and no momentum, θ − mean(θ − θᵢ) is that mean (DiLoCo)."""
@@ -67,13 +68,13 @@ def test_h1_equals_every_step_training_up_to_rounding(settings, every_step, devi
 
 def test_a_wrong_average_is_caught(every_step, devices):
     """The exactness test can fail: H = 2 is a different algorithm, far from every-step training."""
-    params, _ = run(devices, sync="local-sgd", sync_every=2)
+    params, _ = run(devices, sync=get_sync("local-sgd", 2))
     assert max_difference(params, every_step[0]) > 1e-4
 
 
 @pytest.mark.parametrize("settings", [
-    {"sync": "local-sgd", "sync_every": 4},
-    pytest.param({"sync": "local-sgd", "sync_every": 3, "backend": "shard_map"}, marks=pytest.mark.slow),
+    {"sync": get_sync("local-sgd", 4)},
+    pytest.param({"sync": get_sync("local-sgd", 3), "backend": "shard_map"}, marks=pytest.mark.slow),
 ], ids=["pmap", "shard_map"])
 def test_h_above_1_on_one_device_is_plain_training_bit_for_bit(settings, devices):
     plain, _ = run(devices, k=1)
@@ -84,7 +85,7 @@ def test_h_above_1_on_one_device_is_plain_training_bit_for_bit(settings, devices
 @pytest.mark.slow
 def test_diloco_on_one_device_with_outer_sgd_lr_1_is_plain_training(devices):
     plain, _ = run(devices, k=1)
-    diloco, _ = run(devices, k=1, sync="diloco", sync_every=4, outer_optimizer="sgd", outer_lr=1.0)
+    diloco, _ = run(devices, k=1, sync=DiLoCo(every=4, outer_optimizer="sgd", outer_lr=1.0))
     assert max_difference(plain, diloco) < 1e-6  # θ − (θ − θ₁) rounds
 
 
@@ -102,14 +103,14 @@ def test_diloco_on_one_device_with_outer_sgd_lr_1_is_plain_training(devices):
 def test_every_strategy_leaves_the_replicas_bit_identical_at_each_sync(settings, devices):
     """`check_replicas=1` compares every device's params (and DiLoCo's outer state) at each sync: H = 3 on 8
     steps syncs after steps 3, 6 and 8 (the run's last step always syncs)."""
-    params, history = run(devices, sync_every=3, **settings)
+    params, history = run(devices, **{**settings, "sync": get_sync(settings["sync"], 3)})
     assert history[0].syncs == 3
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
 def test_replicas_differ_between_syncs(devices):
     """Each device steps on its own shard: after step 2 of H = 4 the params differ from device to device."""
-    k, config = 4, dataclasses.replace(BASE, sync="local-sgd", sync_every=4)
+    k, config = 4, dataclasses.replace(BASE, sync=get_sync("local-sgd", 4))
     model = config.build_model()
     params = model.init(jax.random.key(0))
     opt = opt_state_of(config, params, k)
@@ -126,7 +127,7 @@ def test_replicas_differ_between_syncs(devices):
 # ---- state: DiLoCo's outer part, checkpoints and resume ------------------------------------------
 
 def test_diloco_keeps_theta_and_the_outer_momentum_in_the_optimizer_state():
-    config = dataclasses.replace(BASE, sync="diloco", sync_every=4)
+    config = dataclasses.replace(BASE, sync=DiLoCo(every=4))
     target = checkpoint_target(config, device_count=3)
     assert set(target["opt_state"]) == {"optimizer", "outer"}
     theta, rows = target["opt_state"]["outer"]["params"], target["params"]
@@ -139,7 +140,7 @@ def test_diloco_keeps_theta_and_the_outer_momentum_in_the_optimizer_state():
 def test_diloco_resumed_mid_interval_ends_bit_identical(tmp_path, devices):
     """A checkpoint at step 6 of H = 4 (mid-interval: devices hold different params and momentum) resumes
     to the same final params and history as an uninterrupted run, bit for bit."""
-    config = dataclasses.replace(BASE, sync="diloco", sync_every=4, optimizer="momentum", lr=0.05)
+    config = dataclasses.replace(BASE, sync=DiLoCo(every=4), optimizer="momentum", lr=0.05)
     whole, whole_history = train(dataclasses.replace(config, epochs=2), small_set(256), devices[:4])
     train(config, small_set(256), devices[:4], checkpoints=jdp.Checkpoints(tmp_path, checkpoint_every=3))  # saves at 3, 6, 8
     newest = checkpoint.list_checkpoints(tmp_path)[0]
@@ -155,7 +156,7 @@ def test_diloco_resumed_mid_interval_ends_bit_identical(tmp_path, devices):
 
 
 def test_a_local_mode_resumes_only_on_the_same_device_count(tmp_path, devices):
-    config = dataclasses.replace(BASE, sync="local-sgd", sync_every=4)
+    config = dataclasses.replace(BASE, sync=get_sync("local-sgd", 4))
     train(config, small_set(256), devices[:4], checkpoints=jdp.Checkpoints(tmp_path))
     with pytest.raises(ConfigError, match="for each of 4 devices; this run has 2. Resume on 4 devices"):
         train(dataclasses.replace(config, epochs=2), small_set(256), devices[:2],
@@ -187,24 +188,17 @@ def test_history_records_bytes_per_step_per_sync_and_sent(tmp_path):
 # ---- settings ------------------------------------------------------------------------------------
 
 def test_sync_settings_default_and_check():
-    assert from_settings("every-step", None) == Sync("every-step", 1)
-    assert from_settings("local-sgd", None).every == 16
-    diloco = from_settings("diloco", 8)
+    assert get_sync("every-step", None) == Sync("every-step", 1)
+    assert get_sync("local-sgd", None).every == 16
+    diloco = get_sync("diloco", 8)
     assert diloco.every == 8 and diloco.init is not None  # θ and the outer momentum
-    every_8 = from_settings("local-sgd", 8)
+    every_8 = get_sync("local-sgd", 8)
     assert every_8.due(8, 100) and not every_8.due(9, 100) and every_8.due(100, 100)  # and the run's last step
-    assert every_8.syncs(100, 100) == 13 and from_settings("every-step", None).syncs(7, 10) == 7
+    assert every_8.syncs(100, 100) == 13 and get_sync("every-step", None).syncs(7, 10) == 7
 
 
 @pytest.mark.parametrize("settings, message", [
     ({"sync": "sometimes"}, "Unknown `sync=sometimes`; choose one of: every-step, local-sgd, diloco"),
-    ({"sync_every": 4}, "`sync_every=4` needs a local mode"),
-    ({"sync": "local-sgd", "sync_every": 0}, "`sync_every` must be a positive number of steps, got 0"),
-    ({"sync": "local-sgd", "outer_lr": 0.5},
-     r"`outer_lr=0.5` is a setting of `sync=diloco` or `sync=streaming-diloco`, not of `sync=local-sgd`"),
-    ({"sync": "diloco", "outer_optimizer": "adam"}, "Unknown `outer_optimizer=adam`"),
-    ({"sync": "diloco", "outer_momentum": 0.0}, "`outer_optimizer=nesterov` needs a momentum in"),
-    ({"sync": "diloco", "outer_momentum": 1.0}, r"`outer_momentum` must be in \[0, 1\), got 1.0"),
     ({"sync": "local-sgd", "shard_optimizer": True}, "`shard_optimizer=True` keeps one slice"),
     ({"sync": "diloco", "steps_per_call": 4}, "`steps_per_call=4` runs several steps in one call"),
     ({"sync": "local-sgd", "model": "resnet18"}, "`model=resnet18` carries state besides them"),
@@ -212,6 +206,37 @@ def test_sync_settings_default_and_check():
 def test_bad_settings_are_refused_by_name(settings, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**settings)
+
+
+@pytest.mark.parametrize("sync, every, settings, message", [
+    ("every-step", 4, {}, "`sync_every=4` needs a local mode"),
+    ("local-sgd", 0, {}, "`sync_every` must be a positive number of steps, got 0"),
+    ("local-sgd", None, {"outer_lr": 0.5},
+     r"`outer_lr=0.5` is a setting of `sync=diloco` or `sync=streaming-diloco`, not of `sync=local-sgd`"),
+    ("diloco", None, {"outer_optimizer": "adam"}, "Unknown `outer_optimizer=adam`"),
+    ("diloco", None, {"outer_momentum": 0.0}, "`outer_optimizer=nesterov` needs a momentum in"),
+    ("diloco", None, {"outer_momentum": 1.0}, r"`outer_momentum` must be in \[0, 1\), got 1.0"),
+])
+def test_bad_sync_settings_are_refused_by_name(sync, every, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        get_sync(sync, every, **settings)
+
+
+def test_a_sync_value_carries_its_settings_and_the_old_fields_say_so():
+    """`jdp.DiLoCo(...)` is checked when made; a run records its settings as `TrainConfig` once held them (a
+    checkpoint of an older run, with None for the sync's own, compares equal); the old fields name the value."""
+    with pytest.raises(ConfigError, match="Unknown `outer_optimizer=adam`"):
+        DiLoCo(outer_optimizer="adam")
+    assert get_sync("diloco", 8, outer_lr=1.0) == dataclasses.replace(get_sync("diloco"), every=8, outer_lr=1.0)
+    recorded = dataclasses.replace(BASE, sync=DiLoCo(every=8, outer_lr=1.0)).to_dict()
+    assert {k: recorded[k] for k in ("sync", "sync_every", "outer_lr", "outer_optimizer", "fragments")} == \
+        {"sync": "diloco", "sync_every": 8, "outer_lr": 1.0, "outer_optimizer": None, "fragments": None}
+    older = {**dataclasses.replace(BASE, sync="local-sgd").to_dict(), "sync_every": None, "fragments": None}
+    assert resume.settings(older) == resume.settings(dataclasses.replace(BASE, sync="local-sgd").to_dict())
+    assert resume.settings(older)["sync_every"] == 16
+    for name in ("sync_every", "outer_lr", "fragments"):
+        with pytest.raises(TypeError, match=rf"`TrainConfig\({name}=\.\.\.\)` is gone: the sync value carries it"):
+            dataclasses.replace(BASE, **{name: 1})
 
 
 def test_the_cli_names_the_flags(capsys):

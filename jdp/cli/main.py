@@ -158,6 +158,11 @@ def _add_record_flags(train: argparse.ArgumentParser) -> None:
                        "length; the first steps compile)")
 
 
+# The settings of the built-in sync algorithms that `jdp train` takes as flags (`--outer-lr`, ...), passed to `get_sync`.
+SYNC_SETTINGS = ("outer_optimizer", "outer_lr", "outer_momentum", "fragments", "sync_delay", "mixing", "outer_dtype",
+                 "error_feedback")
+
+
 def _add_sync_flags(train: argparse.ArgumentParser) -> None:
     """`jdp train`'s group of flags for when the replicas meet, and a straggler to simulate."""
     from jdp.parallel.compress import WIRE_DTYPES
@@ -261,6 +266,7 @@ def run_train(args: argparse.Namespace) -> int:
     from jdp import data, plot
     from jdp.runtime.devices import describe
     from jdp.training import checkpoint, formulation
+    from jdp.parallel.sync import get as get_sync
     from jdp.training.config import TrainConfig, payload_bytes
     from jdp.training.hooks import Hooks
     from jdp.training.profile import Profiler, default_window, format_heaviest, parse_steps, trace_directory
@@ -268,7 +274,9 @@ def run_train(args: argparse.Namespace) -> int:
 
     load_plugins(args.plugin)
 
-    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    sync = get_sync(args.sync, args.sync_every, **{name: getattr(args, name) for name in SYNC_SETTINGS})
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "sync"},
+                         sync=sync)
     out = check_out_dir(args.out)
     checkpoints = checkpoint.check_options(args.checkpoint_dir, args.checkpoint_every, args.resume)
     window = None if args.profile_steps is None else parse_steps(args.profile_steps)

@@ -292,8 +292,10 @@ def make_step(loss: "LossFn | Model", opt: OptState, devices: Sequence[jax.Devic
               accumulate: int = 1, segment: Segment = lambda name, fn: fn) -> TrainStep:
     """The train step that keeps the optimizer state `opt` (a run's, `jdp.training.build.build_run`): a local
     mode's (`make_local_step`), the sharded one (`make_sharded_step`) or the lesson's (`make_train_step`), with
-    `opt`'s strategy, which the caller has checked (`check_strategy`, `check_reach`). `segment`: as
-    `make_train_step`'s; a local step has no outside calls to wrap."""
+    `opt`'s strategy, whose settings the caller has checked (`check_strategy`); its reach over `devices` is
+    checked here (`check_reach`). `segment`: as `make_train_step`'s; a local step has no outside calls to wrap."""
+    if opt.strategy is not None:
+        check_reach(opt.strategy, devices)
     if isinstance(opt.placement, LocalOptimizer):
         return make_local_step(loss, opt, devices, backend, accumulate=accumulate)
     build = _sharded_step if isinstance(opt.placement, ShardedOptimizer) else _summed_step

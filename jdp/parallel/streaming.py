@@ -1,6 +1,6 @@
 """Streaming DiLoCo (Douillard et al. 2025): DiLoCo synced a fragment at a time, applied late, in few bits.
 
-DiLoCo (`jdp.parallel.sync.diloco`) sends the whole model every H steps: its peak traffic is the
+DiLoCo (`jdp.parallel.sync.DiLoCo`) sends the whole model every H steps: its peak traffic is the
 model's size. Streaming DiLoCo changes three things, each a setting here:
 
 * **fragments** (F): the params, raveled in leaf order, are cut into F slices of equal size (the
@@ -28,7 +28,6 @@ Reference:
 import dataclasses
 import functools
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +37,8 @@ from jdp.errors import Arg, ConfigError
 from jdp.parallel.compress import WIRE_DTYPES, dequantize, quantize, quantized
 from jdp.parallel.layout import Kinds
 from jdp.parallel.strategy import Allreduce
-from jdp.parallel.sync import DEFAULT_EVERY, Sync, outer_optimizer_of, register
+from jdp.parallel.sync import DEFAULT_EVERY, DiLoCo, register
 from jdp.types import PyTree
-
-if TYPE_CHECKING:
-    import optax
 
 DEFAULT_FRAGMENTS = 4
 DEFAULT_MIXING = 0.5  # Douillard et al. 2025, section 2.3: α = 0.5
@@ -84,25 +80,24 @@ def with_pieces(tree: PyTree, slices: Slices, values: tuple[jax.Array, ...]) -> 
 
 
 @dataclasses.dataclass(frozen=True)
-class StreamingDiLoCo(Sync):
-    """Streaming DiLoCo's schedule and meetings (the module docstring); `streaming_diloco` builds it. Its
-    settings are its fields, each checked when it is made (and by `dataclasses.replace`).
+class StreamingDiLoCo(DiLoCo):
+    """Streaming DiLoCo's schedule and meetings (the module docstring): `StreamingDiLoCo(every=16, fragments=4)`.
+    Its settings are its fields and DiLoCo's outer optimizer's, each checked when it is made (and by
+    `dataclasses.replace`).
 
     Its state: {"params": θ, the global params, "optimizer": (the outer optimizer's state of each fragment)},
     and with error feedback "error": each device's own, the params' shape.
     """
 
+    name: str = "streaming-diloco"
     fragments: int = DEFAULT_FRAGMENTS
     sync_delay: int = 0
     mixing: float = DEFAULT_MIXING
     outer_dtype: str = "float32"
     error_feedback: bool = False
-    outer_optimizer: str | None = None  # DiLoCo's outer optimizer and its settings (None: the paper's)
-    outer_lr: float | None = None
-    outer_momentum: float | None = None
-    outer: Callable[[], "optax.GradientTransformation"] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # DiLoCo's outer optimizer, checked
         if not isinstance(self.fragments, int) or self.fragments < 1:
             raise ConfigError(Arg("fragments"), f" must be a positive number, got {self.fragments}.")
         if self.every % self.fragments:
@@ -120,10 +115,8 @@ class StreamingDiLoCo(Sync):
             raise ConfigError(Arg("error_feedback", True), " keeps what quantizing the outer gradients loses; with ",
                               Arg("outer_dtype", "float32"), " nothing is. Add a narrower ", Arg("outer_dtype"),
                               " or drop it.")
-        object.__setattr__(self, "outer", outer_optimizer_of(self.outer_optimizer, self.outer_lr, self.outer_momentum))
         object.__setattr__(self, "init", functools.partial(_initial_state, fragments=self.fragments,
                                                            outer=self.outer, error_feedback=self.error_feedback))
-        object.__setattr__(self, "model", _global_params)
 
     @property
     def local(self) -> bool:
@@ -232,10 +225,6 @@ def _initial_state(params: PyTree, fragments: int, outer: Callable, error_feedba
     return {**state, "error": jax.tree.map(jnp.zeros_like, params)} if error_feedback else state
 
 
-def _global_params(state: PyTree) -> PyTree:
-    return state["params"]
-
-
 def streaming_diloco(every: int = DEFAULT_EVERY, **settings: object) -> StreamingDiLoCo:
     """Streaming DiLoCo with H = `every` and `settings` (the fields of `StreamingDiLoCo`: `fragments`,
     `sync_delay`, `mixing`, `outer_dtype`, and DiLoCo's `outer_optimizer`, `outer_lr`, `outer_momentum`).
@@ -243,7 +232,7 @@ def streaming_diloco(every: int = DEFAULT_EVERY, **settings: object) -> Streamin
     Raises:
       ConfigError: naming a setting that is out of range.
     """
-    return StreamingDiLoCo("streaming-diloco", every, **settings)
+    return StreamingDiLoCo(every=every, **settings)
 
 
 register(streaming_diloco())

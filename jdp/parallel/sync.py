@@ -20,7 +20,6 @@ stateful, outside), so every device leaves it with bit-identical params. The alg
 """
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
@@ -58,9 +57,9 @@ class Sync:
       sent: (params, state) -> what each device hands the allreduce; None: its params.
       init: params -> the state before step 1; None: no state.
       model: state -> the one model to evaluate (and `train` to return); None: the replicas' mean.
-      configure: (every, **settings) -> the algorithm with these settings (DiLoCo's outer optimizer);
-        its keywords are the settings `from_settings` (`TrainConfig`, the CLI) passes it. None: a
-        subclass's own fields are its settings (Streaming DiLoCo's), else it has none.
+
+    A subclass's own fields are its settings (`DiLoCo`'s outer optimizer, Streaming DiLoCo's fragments), which
+    `get` sets by name (the CLI's `--outer-lr`, ...).
 
     A subclass may meet differently (`jdp.parallel.streaming`): overriding `meetings` (which meetings follow a
     step), `send` and `receive` (what one meeting sends and makes of the mean), `reducer` (what sums it),
@@ -69,11 +68,10 @@ class Sync:
 
     name: str
     every: int = DEFAULT_EVERY
-    received: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]] | None = None
-    sent: Callable[[PyTree, PyTree], PyTree] | None = None
-    init: Callable[[PyTree], PyTree] | None = None
-    model: Callable[[PyTree], PyTree] | None = None
-    configure: Callable[..., "Sync"] | None = None
+    received: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]] | None = dataclasses.field(default=None, repr=False)
+    sent: Callable[[PyTree, PyTree], PyTree] | None = dataclasses.field(default=None, repr=False)
+    init: Callable[[PyTree], PyTree] | None = dataclasses.field(default=None, repr=False)
+    model: Callable[[PyTree], PyTree] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def local(self) -> bool:
@@ -172,38 +170,62 @@ def outer_optimizer_of(name: str | None = None, lr: float | None = None,
     return outer
 
 
-def diloco(every: int = DEFAULT_EVERY, outer_optimizer: str | None = None, outer_lr: float | None = None,
-           outer_momentum: float | None = None) -> Sync:
-    """DiLoCo with its outer optimizer (`outer_optimizer_of`'s settings; None: the paper's). Its "gradient" is
-    the average parameter change θ − θ_i, so `outer_lr` 1 without momentum sets θ to the average of the
-    devices' params. Its state: {"params": θ, "optimizer": the outer optimizer's state}.
+@dataclasses.dataclass(frozen=True)
+class DiLoCo(Sync):
+    """DiLoCo (Douillard et al. 2023) with its outer optimizer: `DiLoCo(every=16)`, `DiLoCo(outer_lr=1.0)`. Its
+    settings are its fields (`outer_optimizer_of`'s; None: the paper's), checked when it is made. Its
+    "gradient" is the average parameter change θ − θ_i, so `outer_lr` 1 without momentum sets θ to the
+    average of the devices' params. Its state: {"params": θ, "optimizer": the outer optimizer's state}.
 
     Raises:
       ConfigError: naming an outer setting that is unknown or out of range.
     """
-    outer = outer_optimizer_of(outer_optimizer, outer_lr, outer_momentum)
 
-    def init(params):
-        return {"params": params, "optimizer": outer().init(params)}
+    name: str = "diloco"
+    received: Callable | None = dataclasses.field(default=None, init=False, repr=False, compare=False)  # from the
+    sent: Callable | None = dataclasses.field(default=None, init=False, repr=False, compare=False)  # settings, in
+    init: Callable | None = dataclasses.field(default=None, init=False, repr=False, compare=False)  # __post_init__
+    model: Callable | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    outer_optimizer: str | None = None
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    outer: Callable[[], "optax.GradientTransformation"] = dataclasses.field(init=False, repr=False, compare=False)
 
-    def sent(params, state):  # each device's change from θ
-        return jax.tree.map(lambda theta, p: theta - p, state["params"], params)
+    def __post_init__(self) -> None:
+        outer = outer_optimizer_of(self.outer_optimizer, self.outer_lr, self.outer_momentum)
+        for name, value in (("outer", outer), ("init", partial(_diloco_state, outer=outer)), ("sent", _change_from_theta),
+                            ("received", partial(_outer_step, outer=outer)), ("model", global_params)):
+            object.__setattr__(self, name, value)
 
-    def received(mean_change, state):  # the outer step on θ, which every device starts from again
-        import optax
 
-        updates, outer_state = outer().update(mean_change, state["optimizer"], state["params"])
-        theta = optax.apply_updates(state["params"], updates)
-        return theta, {"params": theta, "optimizer": outer_state}
+def _diloco_state(params: PyTree, outer: Callable) -> PyTree:
+    return {"params": params, "optimizer": outer().init(params)}
 
-    return Sync("diloco", every, received, sent, init, model=lambda state: state["params"], configure=diloco)
+
+def _change_from_theta(params: PyTree, state: PyTree) -> PyTree:
+    """What each device sends: its change from θ."""
+    return jax.tree.map(lambda theta, p: theta - p, state["params"], params)
+
+
+def _outer_step(mean_change: PyTree, state: PyTree, outer: Callable) -> tuple[PyTree, PyTree]:
+    """The outer step on θ, which every device starts from again."""
+    import optax
+
+    updates, outer_state = outer().update(mean_change, state["optimizer"], state["params"])
+    theta = optax.apply_updates(state["params"], updates)
+    return theta, {"params": theta, "optimizer": outer_state}
+
+
+def global_params(state: PyTree) -> PyTree:
+    """DiLoCo's model to evaluate: θ, the global params of the last sync."""
+    return state["params"]
 
 
 EVERY_STEP = Sync("every-step", 1)
 _SYNCS: dict[str, Sync] = {  # built-ins first, then what users register
     "every-step": EVERY_STEP,
     "local-sgd": Sync("local-sgd", DEFAULT_EVERY, _mean_of_replicas),
-    "diloco": diloco(),
+    "diloco": DiLoCo(),
 }
 
 
@@ -242,10 +264,10 @@ def names(*, local: bool | None = None) -> tuple[str, ...]:
     return tuple(name for name, sync in _SYNCS.items() if local in (None, sync.local))
 
 
-def from_settings(sync: "str | Sync", every: int | None = None, **settings: object) -> Sync:
+def get(sync: "str | Sync", every: int | None = None, **settings: object) -> Sync:
     """The `Sync` of these settings, checked: a registered name or a `Sync`, with `every` for its H
-    (None: its own) and the settings its `configure` takes (DiLoCo's outer optimizer, Streaming
-    DiLoCo's fragments, ...; a None one: its own).
+    (None: its own) and `settings` for its fields (DiLoCo's outer optimizer, Streaming DiLoCo's fragments,
+    ...; a None one: its own). The one lookup of a sync algorithm by name.
 
     Raises:
       ConfigError: naming a setting that is unknown, out of range or meaningless for `sync`.
@@ -259,13 +281,13 @@ def from_settings(sync: "str | Sync", every: int | None = None, **settings: obje
                           _either(Arg("sync", name) for name in names(local=True)), ".")
     given = {name: value for name, value in settings.items() if value is not None}
     for name, value in given.items():
-        if name not in _settings_of(chosen):
-            owners = _either(Arg("sync", other) for other in _SYNCS if name in _settings_of(_SYNCS[other]))
+        if name not in settings_of(chosen):
+            owners = _either(Arg("sync", other) for other in _SYNCS if name in settings_of(_SYNCS[other]))
             raise ConfigError(Arg(name, value), " is a setting of ", owners or "no registered sync algorithm",
                               ", not of ", Arg("sync", chosen.name), ".")
+    if (every is None or not chosen.local) and not given:
+        return chosen
     every = chosen.every if every is None or not chosen.local else every
-    if chosen.configure is not None and given:  # built anew with its H and these settings, each checked there
-        return check(chosen.configure(every, **given))
     return check(dataclasses.replace(chosen, every=every, **given))  # a subclass's fields, checked when made
 
 
@@ -277,12 +299,18 @@ def _either(args: Iterable[Arg]) -> Message:
     return Message(*parts)
 
 
-def _settings_of(sync: Sync) -> tuple[str, ...]:
-    """The names of the settings `sync.configure` takes besides H, or else those a subclass adds as fields."""
-    if sync.configure is not None:
-        return tuple(name for name in inspect.signature(sync.configure).parameters if name != "every")
+def settings_of(sync: Sync) -> tuple[str, ...]:
+    """The names of `sync`'s settings besides H: the fields its class adds to `Sync`."""
     base = {field.name for field in dataclasses.fields(Sync)}
     return tuple(field.name for field in dataclasses.fields(sync) if field.init and field.name not in base)
+
+
+def recorded(sync: Sync) -> dict[str, object]:
+    """`sync` as a run records it (`TrainConfig.to_dict`, a checkpoint's settings): its name, H as `sync_every`
+    (None for `every-step`) and every registered sync's settings, `sync`'s own values where it has them, else None."""
+    names = dict.fromkeys(name for other in _SYNCS.values() for name in settings_of(other))
+    return {"sync": sync.name, "sync_every": sync.every if sync.local else None,
+            **{name: getattr(sync, name, None) for name in names}}
 
 
 def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[jax.Device],

@@ -15,7 +15,7 @@ from jdp.data import Dataset
 from jdp.models import Model
 from jdp.parallel.layout import copies, fetch, place
 from jdp.parallel.opt_state import LocalOptimizer, OptimizerPart, OptState, ReplicatedOptimizer, ShardedOptimizer
-from jdp.parallel.step import Segment, TrainStep, check_reach, make_step
+from jdp.parallel.step import Segment, TrainStep, make_step
 from jdp.parallel.strategy import Allreduce
 from jdp.parallel.sync import Sync, make_consensus, make_sync
 from jdp.runtime.faults import JobWatch
@@ -132,8 +132,7 @@ def _same_on_every_device(model: Model) -> Callable[[PyTree], PyTree]:
 
 def build_run(config: TrainConfig, devices: Sequence[jax.Device]) -> BuiltRun:
     """The run of `config` on `devices`: its components (built once, when `config` was made) and the optimizer
-    state's layout for `devices`."""
-    check_reach(config.strategy(), devices)  # the devices' part (the settings' was checked with the config)
+    state's layout for `devices`. Whether the strategy reaches `devices` is checked when the step is made."""
     model = config.build_model()
     trainable = jax.eval_shape(lambda: models.trainable(model, model.init(jax.random.key(0))))
     return BuiltRun(config, tuple(devices), model, config.build_optimizer(), config.strategy(), config.build_sync(),

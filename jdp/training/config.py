@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 
 from jdp import models
-from jdp.errors import Arg, ConfigError, check_positive
+from jdp.errors import Arg, ConfigError, check_positive, moved_arguments
 from jdp.models import Model, precision
 from jdp.parallel import allreduce as allreduce_lib
 from jdp.parallel import compress as compress_lib
@@ -53,16 +53,7 @@ class TrainConfig:
     accumulate: int = 1  # micro-batches per device per step, gradients summed before the one allreduce
     shard_optimizer: bool = False  # ZeRO: optimizer state and reduced gradients split over the devices
     precision: str = "float32"  # "bf16": bfloat16 forward/backward, float32 params, loss, gradients (jdp.models.precision)
-    sync: str | sync_lib.Sync = "every-step"  # a registered name (jdp.sync_names()) or your own jdp.Sync
-    sync_every: int | None = None  # local modes: H, steps between syncs; None: the sync's own (built-ins: 16)
-    outer_optimizer: str | None = None  # diloco: "nesterov" (None: it) or "sgd"
-    outer_lr: float | None = None  # diloco: the outer optimizer's lr; None: 0.7 (Douillard et al. 2023)
-    outer_momentum: float | None = None  # diloco: the outer momentum; None: 0.9 with nesterov, none with sgd
-    fragments: int | None = None  # streaming-diloco: F, parts of the model synced in turn; None: 4
-    sync_delay: int | None = None  # streaming-diloco: TAU, steps between a fragment's send and its merge; None: 0
-    outer_dtype: str | None = None  # streaming-diloco: float32, bf16, fp8 or int8 outer gradients; None: float32
-    mixing: float | None = None  # streaming-diloco: α, the local params' weight when a late fragment merges; None: 0.5
-    error_feedback: bool | None = None  # streaming-diloco, a narrow outer_dtype: keep what quantizing lost; None: no
+    sync: str | sync_lib.Sync = "every-step"  # a registered name (jdp.sync_names()) or a sync value, e.g. jdp.DiLoCo(every=16)
     model_impl: dataclasses.InitVar[str | None] = None  # the earlier name of `formulation`, still accepted
 
     def __post_init__(self, model_impl: str | None) -> None:
@@ -125,8 +116,7 @@ class TrainConfig:
         return self._components.model
 
     def build_sync(self) -> sync_lib.Sync:
-        """When the replicas meet and what they make of it (`sync`, `sync_every`, DiLoCo's outer optimizer,
-        Streaming DiLoCo's fragments)."""
+        """When the replicas meet and what they make of it: `sync`, or the registered sync of that name."""
         return self._components.sync
 
     def strategy(self) -> Allreduce:
@@ -146,17 +136,25 @@ class TrainConfig:
             raise ConfigError(Arg("batch_size", self.batch_size), f" exceeds the {train_images} training images.")
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings as JSON values: a `Model`, `Allreduce` or `Sync` object is recorded by its name, an
-        optax optimizer of the caller's as `optimizers.OWN`."""
+        """The settings as JSON values: a `Model` or `Allreduce` object is recorded by its name, the sync by its
+        name, H (`sync_every`) and the settings of the registered syncs (None where it has none), an optax
+        optimizer of the caller's as `optimizers.OWN`."""
         values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        return {**values, "model": _name(self.model), "allreduce": _name(self.allreduce), "sync": _name(self.sync),
-                "optimizer": self.optimizer if isinstance(self.optimizer, str) else optimizers.OWN}
+        return {**values, "model": _name(self.model), "allreduce": _name(self.allreduce),
+                "optimizer": self.optimizer if isinstance(self.optimizer, str) else optimizers.OWN,
+                **sync_lib.recorded(self.build_sync())}
 
     def __getattr__(self, name: str) -> Any:
         if name == "opt_state":  # moved after 0.1.0; see docs/api.md
             raise AttributeError("`TrainConfig.opt_state(params, k)` is now `jdp.training.build.opt_state_of(config, "
                                  "params, k)`: the state's layout is decided where the run is built.")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+_SYNC_VALUE = "the sync value carries it: `sync=jdp.get_sync(NAME, every=H, ...)`, e.g. `jdp.DiLoCo(every=16, outer_lr=0.7)`"
+TrainConfig.__init__ = moved_arguments({name: _SYNC_VALUE for name in (  # type: ignore[method-assign]  # moved after 0.1.0
+    "sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "fragments", "sync_delay", "outer_dtype", "mixing",
+    "error_feedback")})(TrainConfig.__init__)
 
 
 class Components(NamedTuple):
@@ -182,12 +180,7 @@ def _build(config: TrainConfig) -> Components:
                                          weight_decay=config.weight_decay, warmup_steps=config.warmup_steps)
     strategy = allreduce_lib.get(config.allreduce, fuse=config.fuse, bucket_mb=config.bucket_mb,
                                  compress=config.compress, rank=config.powersgd_rank)
-    sync = sync_lib.from_settings(config.sync, config.sync_every, outer_optimizer=config.outer_optimizer,
-                                  outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
-                                  fragments=config.fragments, sync_delay=config.sync_delay,
-                                  outer_dtype=config.outer_dtype, mixing=config.mixing,
-                                  error_feedback=config.error_feedback)
-    return Components(model, optimizer, strategy, sync)
+    return Components(model, optimizer, strategy, sync_lib.get(config.sync))
 
 
 def learning_rate(config: TrainConfig) -> "float | optax.Schedule":

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from jdp.errors import Arg, ConfigError
+from jdp.parallel import sync as sync_lib
 
 # What a resumed run must share with the checkpoint: the data order is a permutation per epoch drawn
 # from the seed, walked in batches of batch_size, so `position` means nothing under other values.
@@ -54,9 +55,14 @@ def describe_run(config: dict[str, Any], dataset: Any, device_count: int,
 
 
 def settings(config: dict[str, Any]) -> dict[str, Any]:
-    """A run's saved settings under today's names, with the values of settings added since filled in."""
-    current = {RENAMED.get(name, name): value for name, value in config.items()}
-    return {**ADDED, **current}
+    """A run's saved settings under today's names, with the values of settings added since filled in, and a
+    sync setting saved as None (the sync's own, before a sync value recorded its settings) as that value."""
+    values = {**ADDED, **{RENAMED.get(name, name): value for name, value in config.items()}}
+    try:
+        own = sync_lib.recorded(sync_lib.get(values["sync"]))
+    except ConfigError:  # a sync of a --plugin this process has not loaded: compared as saved
+        return values
+    return {**values, **{name: value for name, value in own.items() if values.get(name) is None}}
 
 
 def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
