@@ -25,7 +25,8 @@ N_TRAIN = 12_800  # 50 steps of 256: enough for rounding differences to grow thr
 def config(allreduce: str, compress: str = "none"):
     import jdp
 
-    return jdp.TrainConfig(batch_size=256, lr=0.2, epochs=1, allreduce=allreduce, compress=compress, seed=0)
+    return jdp.TrainConfig(batch_size=256, lr=0.2, epochs=1, allreduce=jdp.get_allreduce(allreduce, compress=compress),
+                           seed=0)
 
 
 def max_relative_difference(got, want) -> float:

@@ -174,7 +174,7 @@ def combinations():
 
 @pytest.mark.parametrize("name, mode, rank, fuse", list(combinations()))
 def test_replicas_stay_bit_identical(name, mode, rank, fuse, devices):
-    config = dataclasses.replace(CONFIG, allreduce=name, compress=mode, powersgd_rank=rank, fuse=fuse)
+    config = dataclasses.replace(CONFIG, allreduce=jdp.get_allreduce(name, compress=mode, rank=rank, fuse=fuse))
     # raises TrainingError on any difference
     _, history = train(config, small_set(128), devices[:K], guards=jdp.Guards(check_replicas=1))
     assert np.isfinite(history[-1].train_loss)
@@ -182,25 +182,29 @@ def test_replicas_stay_bit_identical(name, mode, rank, fuse, devices):
 
 def test_powersgd_refuses_shard_map_and_ranks_without_it():
     with pytest.raises(ConfigError, match="keeps different state on each device.*Use `backend=pmap`"):
-        train(dataclasses.replace(CONFIG, compress="powersgd", backend="shard_map"), small_set(128), jax.devices()[:2])
+        train(dataclasses.replace(CONFIG, allreduce="psum+powersgd1", backend="shard_map"), small_set(128),
+              jax.devices()[:2])
     with pytest.raises(ConfigError, match="`powersgd_rank=2` applies to `compress=powersgd` only"):
-        dataclasses.replace(CONFIG, compress="bf16", powersgd_rank=2)
+        jdp.get_allreduce("psum", compress="bf16", rank=2)
     with pytest.raises(ConfigError, match="`powersgd_rank` must be a positive integer, got 0"):
-        dataclasses.replace(CONFIG, compress="powersgd", powersgd_rank=0)
+        jdp.get_allreduce("psum", compress="powersgd", rank=0)
 
 
 # ---- bytes, and resume ------------------------------------------------------------------------------
 
 def test_payload_bytes_count_what_is_sent():
     grads = {"w": jax.ShapeDtypeStruct((40, 30), jnp.float32), "b": jax.ShapeDtypeStruct((30,), jnp.float32)}
-    assert compress.payload_bytes(grads) == 4 * (1200 + 30)
-    assert compress.payload_bytes(grads, "bf16") == compress.payload_bytes(grads, "bf16-wire") == 2 * 1230
-    assert compress.payload_bytes(grads, "powersgd", 3) == 4 * (40 * 3 + 30 * 3 + 30)  # P, Q, the bias as it is
+    sent = [compress.payload_bytes(grads, jdp.get_allreduce(name, **settings)) for name, settings in (
+        ("psum", {}), ("ring", {"fuse": True}), ("psum", {"compress": "bf16"}), ("ring", {"compress": "bf16-wire"}),
+        ("ring", {"compress": "bf16-wire", "fuse": True}), ("psum", {"compress": "powersgd", "rank": 3}),
+        ("psum", {"compress": "powersgd", "rank": 3, "fuse": True}))]
+    assert sent == [4 * 1230, 4 * 1230, 2 * 1230, 2 * 1230, 2 * 1230,
+                                   4 * (40 * 3 + 30 * 3 + 30), 4 * (40 * 3 + 30 * 3 + 30)]  # P, Q, the bias as it is
 
 
 def test_a_resumed_powersgd_run_is_bit_identical_to_an_uninterrupted_one(tmp_path, devices):
     """The error state is per device and saved whole: resuming mid-epoch continues the same arithmetic."""
-    config = dataclasses.replace(CONFIG, compress="powersgd", powersgd_rank=1, epochs=2)
+    config = dataclasses.replace(CONFIG, allreduce=jdp.get_allreduce("psum", compress="powersgd", rank=1), epochs=2)
     train(config, small_set(128), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "whole", checkpoint_every=3))
     train(dataclasses.replace(config, epochs=1), small_set(128), devices[:2],
           checkpoints=jdp.Checkpoints(tmp_path / "cut", checkpoint_every=3))
@@ -219,17 +223,17 @@ def test_a_resumed_powersgd_run_is_bit_identical_to_an_uninterrupted_one(tmp_pat
 
 def test_a_powersgd_checkpoint_is_refused_by_the_setting_that_changed_its_arrays(tmp_path, devices):
     """PowerSGD's error state is saved once per device: another device count or strategy is named as such."""
-    config = dataclasses.replace(CONFIG, compress="powersgd", powersgd_rank=1)
+    config = dataclasses.replace(CONFIG, allreduce=jdp.get_allreduce("psum", compress="powersgd", rank=1))
     train(config, small_set(128), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "powersgd", checkpoint_every=3))
-    with pytest.raises(ConfigError, match=r"holds `compress=powersgd`'s state for each of 2 devices; this run "
+    with pytest.raises(ConfigError, match=r"holds `allreduce=psum\+powersgd1`'s state for each of 2 devices; this run "
                                           r"has 4\. Resume on 2 devices"):
         train(config, small_set(128), devices[:4], checkpoints=jdp.Checkpoints(tmp_path / "powersgd", resume=True))
-    plain = dataclasses.replace(config, compress="none", powersgd_rank=None)
+    plain = dataclasses.replace(config, allreduce="psum")
     with pytest.raises(ConfigError, match=r"This run's allreduce \(`allreduce=psum`\) keeps no state per device, "
-                                          r"the checkpoint's \(`compress=powersgd`\) does:"):
+                                          r"the checkpoint's \(`allreduce=psum\+powersgd1`\) does:"):
         train(plain, small_set(128), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "powersgd", resume=True))
     train(plain, small_set(128), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "plain", checkpoint_every=3))
-    with pytest.raises(ConfigError, match=r"\(`compress=powersgd`\) keeps state per device, the checkpoint's "
+    with pytest.raises(ConfigError, match=r"\(`allreduce=psum\+powersgd1`\) keeps state per device, the checkpoint's "
                                           r"\(`allreduce=psum`\) does not:"):
         train(config, small_set(128), devices[:2], checkpoints=jdp.Checkpoints(tmp_path / "plain", resume=True))
 

@@ -257,7 +257,7 @@ def test_bad_settings_are_refused_by_name(sync, every, settings, message):
 
 def test_a_strategy_it_cannot_sum_with_is_refused_by_name():
     with pytest.raises(ConfigError, match="keeps per-device state shaped as the whole model"):
-        TrainConfig(sync="streaming-diloco", compress="powersgd")
+        TrainConfig(sync="streaming-diloco", allreduce="psum+powersgd1")
 
 
 def test_the_mixing_factor_is_checked_when_replaced():

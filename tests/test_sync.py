@@ -94,10 +94,10 @@ def test_diloco_on_one_device_with_outer_sgd_lr_1_is_plain_training(devices):
 @pytest.mark.parametrize("settings", [
     {"sync": "diloco"},
     *(pytest.param(s, marks=pytest.mark.slow) for s in (
-        {"sync": "diloco", "allreduce": "ring", "compress": "bf16-wire"},  # rounds on the wire, on its owner
+        {"sync": "diloco", "allreduce": "ring+bfloat16-wire"},  # rounds on the wire, on its owner
         {"sync": "local-sgd"}, {"sync": "local-sgd", "allreduce": "tree"},
-        {"sync": "diloco", "allreduce": "manual_ring"}, {"sync": "diloco", "compress": "bf16"},
-        {"sync": "diloco", "compress": "powersgd"}, {"sync": "local-sgd", "allreduce": "ring", "fuse": True},
+        {"sync": "diloco", "allreduce": "manual_ring"}, {"sync": "diloco", "allreduce": "psum+bfloat16"},
+        {"sync": "diloco", "allreduce": "psum+powersgd1"}, {"sync": "local-sgd", "allreduce": "ring+fused"},
         {"sync": "diloco", "backend": "shard_map"})),
 ], ids=lambda s: "-".join(str(v) for v in s.values()))
 def test_every_strategy_leaves_the_replicas_bit_identical_at_each_sync(settings, devices):

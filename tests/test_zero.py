@@ -355,7 +355,7 @@ def test_resuming_with_another_kind_of_optimizer_state_is_refused_naming_the_fla
     (["--accumulate", "0"], "`--accumulate` must be a positive integer, got 0."),
     (["--batch-size", "100", "--accumulate", "3"], "`--batch-size 100` does not split into 2 devices × `--accumulate 3`"),
     (["--shard-optimizer", "--allreduce", "tree"], "which `--allreduce tree` does not provide"),
-    (["--shard-optimizer", "--fuse"], "`--shard-optimizer` already ravels the gradients"),
+    (["--shard-optimizer", "--fuse"], "which `--allreduce psum+fused` does not provide"),
 ])
 def test_bad_optimizer_flags_are_one_line_and_exit_2(flags, message, capsys):
     assert main(["train", "--devices", "2", "--dataset", "synthetic", "--no-progress", *flags]) == 2

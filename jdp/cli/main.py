@@ -266,6 +266,7 @@ def run_train(args: argparse.Namespace) -> int:
     from jdp import data, plot
     from jdp.runtime.devices import describe
     from jdp.training import checkpoint, formulation
+    from jdp.parallel.allreduce import get as get_allreduce
     from jdp.parallel.sync import get as get_sync
     from jdp.training.config import TrainConfig, payload_bytes
     from jdp.training.hooks import Hooks
@@ -274,9 +275,11 @@ def run_train(args: argparse.Namespace) -> int:
 
     load_plugins(args.plugin)
 
-    sync = get_sync(args.sync, args.sync_every, **{name: getattr(args, name) for name in SYNC_SETTINGS})
-    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "sync"},
-                         sync=sync)
+    components = {"allreduce": get_allreduce(args.allreduce, fuse=args.fuse, bucket_mb=args.bucket_mb,
+                                             compress=args.compress, rank=args.powersgd_rank),
+                  "sync": get_sync(args.sync, args.sync_every, **{name: getattr(args, name) for name in SYNC_SETTINGS})}
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                            if f.name not in components}, **components)
     out = check_out_dir(args.out)
     checkpoints = checkpoint.check_options(args.checkpoint_dir, args.checkpoint_every, args.resume)
     window = None if args.profile_steps is None else parse_steps(args.profile_steps)

@@ -204,4 +204,4 @@ def _on_wire(strategy: Allreduce, dtype: jnp.dtype, mode: str) -> Allreduce:
             "(`Allreduce.wire`); use ", Arg("allreduce", wired), ", or ", Arg("compress", mode[:4]),
             " to cast for any strategy."
         )
-    return strategy.wire(dtype)
+    return strategy.wire(dtype)._replace(payload=compress_lib.cast_to(dtype))  # the float32 chunks, cast

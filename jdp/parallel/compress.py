@@ -28,6 +28,7 @@ References:
 """
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import jax
@@ -60,7 +61,13 @@ def low_precision(strategy: Allreduce, dtype: jnp.dtype) -> Allreduce:
 
     cost = None if strategy.cost is None else cast_cost(strategy.cost, jnp.dtype(dtype).itemsize / 4)  # of float32
     cast = strategy.local(down)  # outside: one dispatch, each slice cast on its own device
-    return strategy.wrapped(name, lambda tree, *axis: up(strategy.fn(cast(tree), *axis), tree), cost=cost)
+    return strategy.wrapped(name, lambda tree, *axis: up(strategy.fn(cast(tree), *axis), tree), cost=cost,
+                            payload=cast_to(dtype))
+
+
+def cast_to(dtype: jnp.dtype) -> Callable[[PyTree], PyTree]:
+    """The payload of a tree sent in `dtype` (`Allreduce.payload`): each leaf's shape, in `dtype`."""
+    return lambda grads: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype), grads)
 
 
 def quantize(x: jax.Array, wire: str) -> tuple[jax.Array, jax.Array]:
@@ -152,7 +159,8 @@ def powersgd(strategy: Allreduce, rank: int = 1) -> Allreduce:
     def step(tree: PyTree, state: PyTree, *axis: str) -> tuple[PyTree, PyTree]:
         return _powersgd_step(tree, state, rank, lambda t: strategy.fn(t, *axis), strategy)
 
-    return strategy.wrapped(f"{strategy.name}+powersgd{rank}", step, init=init)
+    return strategy.wrapped(f"{strategy.name}+powersgd{rank}", step, init=init,
+                            payload=partial(_handed, partial(powersgd, rank=rank)))
 
 
 def _powersgd_step(tree: PyTree, state: PyTree, rank: int, reduce: Callable[[PyTree], PyTree],
@@ -225,26 +233,27 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def payload_bytes(grads: PyTree, compress: str = "none", rank: int | None = None) -> int:
-    """Bytes one device hands to the allreduce per step under `compress`: the arrays that cross devices.
+def payload_bytes(grads: PyTree, strategy: Allreduce) -> int:
+    """Bytes one device hands to the allreduce per step with `strategy`: its `payload` of `grads` (a
+    gradient-shaped tree of arrays or `jax.ShapeDtypeStruct`s, one device's), else `grads`. How many times an
+    algorithm moves those bytes is its own (ring: 2(k−1)/k of them). A `-wire` strategy sends the float32
+    buffer's chunks in its low dtype, so it counts as its cast."""
+    sent = grads if strategy.payload is None else strategy.payload(grads)
+    return sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(sent))
 
-    The wrapper is traced (`jax.eval_shape`, nothing runs) around a strategy that records what it
-    is given. How many times an algorithm moves those bytes is its own (ring: 2(k−1)/k of them).
-    A `-wire` mode sends the float32 buffer's chunks in its low dtype, so it counts as its cast.
 
-    Args:
-      grads: a gradient-shaped tree (arrays or `jax.ShapeDtypeStruct`s), one device's.
-      compress, rank: as for `compressed`.
-    """
+def _handed(wrapper: Callable[[Allreduce], Allreduce], grads: PyTree) -> list[jax.ShapeDtypeStruct]:
+    """What `wrapper` hands the strategy it wraps for `grads`: traced (`jax.eval_shape`, nothing runs) around a
+    strategy that records what it is given."""
     sent: list[Any] = []
 
     def record(tree, axis_name):
         sent.extend(jax.tree.leaves(tree))
         return tree
 
-    strategy = compressed(Allreduce("record", record), compress.removesuffix("-wire"), rank)
+    strategy = wrapper(Allreduce("record", record))
     if not strategy.stateful:
         jax.eval_shape(lambda g: strategy.fn(g, "unused"), grads)
     else:
         jax.eval_shape(lambda g, s: strategy.fn(g, s, "unused"), grads, strategy.init(jax.random.key(0), grads))
-    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in sent)
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in sent]

@@ -58,6 +58,8 @@ class Allreduce(NamedTuple):
       cost: None, or its `jdp.parallel.cost.Cost`: `cost.terms(k, leaf_bytes, per_node)`, the
         messages and bytes one device sends (and adds) per link level for k devices; what
         `jdp predict` prices a strategy by. The wrappers (`fused`, `low_precision`, `wire`) carry it.
+      payload: None, or `payload(grads) -> tree`: what one device hands the wire for a gradient-shaped tree
+        (shapes and dtypes; None: the tree itself). The compressions set it (`payload_bytes` counts it).
     """
 
     name: str
@@ -68,6 +70,7 @@ class Allreduce(NamedTuple):
     all_gather: Callable[..., jax.Array] | None = None
     wire: Callable[[jnp.dtype], "Allreduce"] | None = None
     cost: Cost | None = None
+    payload: Callable[[PyTree], PyTree] | None = None
 
     @property
     def inside(self) -> bool:
@@ -87,11 +90,14 @@ class Allreduce(NamedTuple):
         return fn if self.inside else jax.jit(jax.vmap(fn))
 
     def wrapped(self, name: str, fn: Callable[..., PyTree], *, init: Callable | None = None,
-                cost: Cost | None = None) -> "Allreduce":
+                cost: Cost | None = None, payload: Callable[[PyTree], PyTree] | None = None) -> "Allreduce":
         """A wrapper's strategy (fusion, compression): `fn(tree, *axis)` (or `fn(tree, state, *axis)` with
         `init`) in this strategy's place, calling it as `self.fn(..., *axis)`: `axis` is the axis name
-        inside and empty outside, so a wrapper is written once for both places."""
-        return Allreduce(name, fn, self.where, init=init, cost=cost)
+        inside and empty outside, so a wrapper is written once for both places. `payload`: what the wrapper
+        hands this strategy for a gradient tree (None: the tree), which then hands on its own payload of it."""
+        handed = payload if self.payload is None else (
+            self.payload if payload is None else lambda grads: self.payload(payload(grads)))
+        return Allreduce(name, fn, self.where, init=init, cost=cost, payload=handed)
 
     @property
     def has_halves(self) -> bool:

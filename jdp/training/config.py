@@ -34,9 +34,7 @@ class TrainConfig:
     batch_size: int = 256
     lr: float = 0.2
     epochs: int = 10
-    allreduce: str | Allreduce = "psum"  # a registered name (jdp.allreduce_names()) or your own strategy
-    fuse: bool = False  # allreduce the gradients raveled into few buffers instead of one per leaf
-    bucket_mb: float | None = None  # with `fuse`: largest bucket in MB; None: one buffer per dtype
+    allreduce: str | Allreduce = "psum"  # a registered name (jdp.allreduce_names()) or a strategy value, e.g. jdp.get_allreduce("ring", fuse=True)
     seed: int = 0
     eval_on: str = "all"  # "all": split evaluation over the devices; "device0": the lesson's way
     warmup_steps: int = 0  # ramp the lr linearly from 0 over this many steps (Goyal et al. 2017)
@@ -45,8 +43,6 @@ class TrainConfig:
     batchnorm: str | None = None  # for models with BatchNorm: "sync" (default) or "per-replica" (jdp.models)
     steps_per_call: int | str = "auto"  # train steps per compiled call; "auto": from the measured step time
     backend: str = "pmap"  # "pmap" or "shard_map": how the step is mapped over the devices (jdp.parallel.layout)
-    compress: str = "none"  # a mode of jdp.parallel.compress.MODES: none, bf16, fp16, bf16-wire, fp16-wire, powersgd
-    powersgd_rank: int | None = None  # with compress "powersgd": the rank of its factors; None: 1
     optimizer: "str | optax.GradientTransformation" = "sgd"  # "sgd" (the lesson's), "momentum", "adamw", or your own optax optimizer
     momentum: float | None = None  # for "momentum": the trace's decay; None: 0.9
     weight_decay: float | None = None  # sgd/momentum: L2 (None: none); adamw: decoupled (None: 1e-4)
@@ -85,9 +81,6 @@ class TrainConfig:
                 Arg("backend", "shard_map"), " cannot hold in its replicated `P()` layout. Use ",
                 Arg("backend", "pmap"), " or ", Arg("batchnorm", "sync"), "."
             )
-        if self.shard_optimizer and self.fuse:
-            raise ConfigError(Arg("shard_optimizer", True), " already ravels the gradients into one buffer per dtype; "
-                              "drop ", Arg("fuse"), "/", Arg("bucket_mb"), ".")
         check_strategy(self.strategy(), self.backend, self.shard_optimizer)
         if sync.local:
             refused = {"shard_optimizer": ((False,), "keeps one slice of identical params per device"),
@@ -120,7 +113,7 @@ class TrainConfig:
         return self._components.sync
 
     def strategy(self) -> Allreduce:
-        """The allreduce strategy, fused and compressed if asked."""
+        """The allreduce strategy: `allreduce`, or the registered strategy of that name."""
         return self._components.strategy
 
     def check_fits(self, train_images: int, device_count: int) -> None:
@@ -136,11 +129,11 @@ class TrainConfig:
             raise ConfigError(Arg("batch_size", self.batch_size), f" exceeds the {train_images} training images.")
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings as JSON values: a `Model` or `Allreduce` object is recorded by its name, the sync by its
-        name, H (`sync_every`) and the settings of the registered syncs (None where it has none), an optax
-        optimizer of the caller's as `optimizers.OWN`."""
+        """The settings as JSON values: a `Model` object is recorded by its name, the strategy by its name (which
+        spells its wrappers: `ring+bfloat16-wire+fused`), the sync by its name, H (`sync_every`) and the settings
+        of the registered syncs (None where it has none), an optax optimizer of the caller's as `optimizers.OWN`."""
         values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        return {**values, "model": _name(self.model), "allreduce": _name(self.allreduce),
+        return {**values, "model": _name(self.model), "allreduce": self.strategy().name,
                 "optimizer": self.optimizer if isinstance(self.optimizer, str) else optimizers.OWN,
                 **sync_lib.recorded(self.build_sync())}
 
@@ -151,10 +144,13 @@ class TrainConfig:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
+_STRATEGY_VALUE = ("the strategy value carries it: `allreduce=jdp.get_allreduce(NAME, fuse=..., bucket_mb=..., "
+                   "compress=..., rank=...)`, or its name with wrappers, e.g. `allreduce=\"ring+bfloat16+fused\"`")
 _SYNC_VALUE = "the sync value carries it: `sync=jdp.get_sync(NAME, every=H, ...)`, e.g. `jdp.DiLoCo(every=16, outer_lr=0.7)`"
-TrainConfig.__init__ = moved_arguments({name: _SYNC_VALUE for name in (  # type: ignore[method-assign]  # moved after 0.1.0
-    "sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "fragments", "sync_delay", "outer_dtype", "mixing",
-    "error_feedback")})(TrainConfig.__init__)
+TrainConfig.__init__ = moved_arguments({  # type: ignore[method-assign]  # moved after 0.1.0
+    **{name: _STRATEGY_VALUE for name in ("fuse", "bucket_mb", "compress", "powersgd_rank")},
+    **{name: _SYNC_VALUE for name in ("sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "fragments",
+                                      "sync_delay", "outer_dtype", "mixing", "error_feedback")}})(TrainConfig.__init__)
 
 
 class Components(NamedTuple):
@@ -178,9 +174,7 @@ def _build(config: TrainConfig) -> Components:
     else:
         optimizer = optimizers.check_own(config.optimizer, momentum=config.momentum,
                                          weight_decay=config.weight_decay, warmup_steps=config.warmup_steps)
-    strategy = allreduce_lib.get(config.allreduce, fuse=config.fuse, bucket_mb=config.bucket_mb,
-                                 compress=config.compress, rank=config.powersgd_rank)
-    return Components(model, optimizer, strategy, sync_lib.get(config.sync))
+    return Components(model, optimizer, allreduce_lib.get(config.allreduce), sync_lib.get(config.sync))
 
 
 def learning_rate(config: TrainConfig) -> "float | optax.Schedule":
@@ -194,12 +188,11 @@ def learning_rate(config: TrainConfig) -> "float | optax.Schedule":
 
 def payload_bytes(config: TrainConfig) -> int:
     """Bytes each device hands to the allreduce each time the model is summed (every step, or every sync of a
-    local mode): the gradients (or params, or their change), or what `config.compress` sends instead; for
+    local mode): the gradients (or params, or their change), or what a compressing strategy sends instead; for
     a sync sending part of the model in a narrower dtype (Streaming DiLoCo), that part, on average."""
     model = config.build_model()
     grads = jax.eval_shape(lambda: models.trainable(model, model.init(jax.random.key(0))))
-    return round(compress_lib.payload_bytes(grads, config.compress, config.powersgd_rank)
-                 * config.build_sync().payload_fraction)
+    return round(compress_lib.payload_bytes(grads, config.strategy()) * config.build_sync().payload_fraction)
 
 
 def _name(choice: str | Model | Allreduce | sync_lib.Sync) -> str:

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from jdp.errors import Arg, ConfigError
+from jdp.parallel import allreduce as allreduce_lib
 from jdp.parallel import sync as sync_lib
 
 # What a resumed run must share with the checkpoint: the data order is a permutation per epoch drawn
@@ -23,6 +24,8 @@ SAME_STATE = ("optimizer", "shard_optimizer", "sync", "outer_optimizer")
 ADDED = {"optimizer": "sgd", "momentum": None, "weight_decay": None, "accumulate": 1, "shard_optimizer": False,
          "precision": "float32", "sync": "every-step", "sync_every": None, "outer_optimizer": None,
          "outer_lr": None, "outer_momentum": None, "formulation": "fast"}
+# The strategy's settings before the strategy value carried them (its name spells them now).
+STRATEGY_SETTINGS = ("fuse", "bucket_mb", "compress", "powersgd_rank")
 # Settings renamed since: old name -> new name (`model_impl` became `formulation`, its values kept).
 RENAMED = {"model_impl": "formulation"}
 # What may change without a note: how many epochs to run, and how the test set is evaluated.
@@ -57,12 +60,27 @@ def describe_run(config: dict[str, Any], dataset: Any, device_count: int,
 def settings(config: dict[str, Any]) -> dict[str, Any]:
     """A run's saved settings under today's names, with the values of settings added since filled in, and a
     sync setting saved as None (the sync's own, before a sync value recorded its settings) as that value."""
-    values = {**ADDED, **{RENAMED.get(name, name): value for name, value in config.items()}}
+    values = _one_strategy({**ADDED, **{RENAMED.get(name, name): value for name, value in config.items()}})
     try:
         own = sync_lib.recorded(sync_lib.get(values["sync"]))
     except ConfigError:  # a sync of a --plugin this process has not loaded: compared as saved
         return values
     return {**values, **{name: value for name, value in own.items() if values.get(name) is None}}
+
+
+def _one_strategy(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with the strategy settings of runs before the strategy value (`fuse`, `bucket_mb`, `compress`,
+    `powersgd_rank`) folded into the strategy's name, as a run records it now (`ring+bfloat16+fused`)."""
+    flat = {name: values.pop(name) for name in STRATEGY_SETTINGS if name in values}
+    if not flat:
+        return values
+    try:
+        values["allreduce"] = allreduce_lib.get(values["allreduce"], fuse=bool(flat.get("fuse")),
+                                                bucket_mb=flat.get("bucket_mb"), compress=flat.get("compress") or "none",
+                                                rank=flat.get("powersgd_rank")).name
+    except ConfigError:  # a strategy of a --plugin this process has not loaded: compared by its name alone
+        pass
+    return values
 
 
 def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
@@ -84,7 +102,7 @@ def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
                 ": their optimizer states hold other arrays. Resume with the checkpoint's setting, or pass a new ",
                 Arg("checkpoint_dir"), "."
             )
-    had = saved.get("per_device_state", old.get("compress") == "powersgd")  # checkpoints from before the field
+    had = saved.get("per_device_state", saved["config"].get("compress") == "powersgd")  # from before the field
     has = current.get("per_device_state", False)
     if had != has:
         raise ConfigError(
@@ -102,8 +120,7 @@ def check_same_state(saved: dict[str, Any], current: dict[str, Any]) -> None:
 def _strategy(config: dict[str, Any]) -> Arg:
     if config.get("sync", "every-step") != "every-step":
         return Arg("sync", config["sync"])
-    compress = config.get("compress", "none")
-    return Arg("compress", compress) if compress != "none" else Arg("allreduce", config.get("allreduce"))
+    return Arg("allreduce", config.get("allreduce"))
 
 
 def _shown(name: str, value: Any) -> Arg:
