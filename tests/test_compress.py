@@ -202,6 +202,22 @@ def test_payload_bytes_count_what_is_sent():
                                    4 * (40 * 3 + 30 * 3 + 30), 4 * (40 * 3 + 30 * 3 + 30)]  # P, Q, the bias as it is
 
 
+def test_a_strategy_value_carries_its_settings_and_the_old_fields_say_so():
+    """A run records the strategy by the name that spells its wrappers; a checkpoint of an older run, with the
+    settings apart, reads as the same strategy; the old fields name the value."""
+    from jdp.training import resume
+
+    value = dataclasses.replace(CONFIG, allreduce=jdp.get_allreduce("ring", fuse=True, compress="bf16"))
+    assert value.to_dict()["allreduce"] == "ring+fused+bfloat16" and "compress" not in value.to_dict()
+    older = {**dataclasses.replace(CONFIG, allreduce="ring").to_dict(), "fuse": True, "bucket_mb": None,
+             "compress": "bf16", "powersgd_rank": None}
+    assert resume.settings(older) == resume.settings(value.to_dict())
+    assert resume.settings({**older, "compress": "none"})["allreduce"] == "ring+fused"
+    for name in ("fuse", "bucket_mb", "compress", "powersgd_rank"):
+        with pytest.raises(TypeError, match=rf"`TrainConfig\({name}=\.\.\.\)` is gone: .*jdp\.get_allreduce"):
+            dataclasses.replace(CONFIG, **{name: None})
+
+
 def test_a_resumed_powersgd_run_is_bit_identical_to_an_uninterrupted_one(tmp_path, devices):
     """The error state is per device and saved whole: resuming mid-epoch continues the same arithmetic."""
     config = dataclasses.replace(CONFIG, allreduce=jdp.get_allreduce("psum", compress="powersgd", rank=1), epochs=2)
