@@ -22,7 +22,7 @@ stateful, outside), so every device leaves it with bit-identical params. The alg
 import dataclasses
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 
@@ -313,9 +313,17 @@ def recorded(sync: Sync) -> dict[str, object]:
             **{name: getattr(sync, name, None) for name in names}}
 
 
+class SyncPrograms(NamedTuple):
+    """A local sync mode's programs on the devices (`make_sync`)."""
+
+    meet: Callable[[PyTree, PyTree, Hashable], tuple[PyTree, PyTree]]  # the replicas meet (`Sync.meetings`' key)
+    consensus: Callable[[PyTree, PyTree], PyTree]  # the one model of (params, opt_state), replicated
+
+
 def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[jax.Device],
-              backend: Backend) -> Callable[[PyTree, PyTree, Hashable], tuple[PyTree, PyTree]]:
-    """Builds `meet(params, opt_state, key) -> (params, opt_state)`: the replicas meet (see `Sync`).
+              backend: Backend) -> SyncPrograms:
+    """Builds the programs of a local sync mode: `meet(params, opt_state, key) -> (params, opt_state)`, the
+    replicas meet (see `Sync`), and `consensus(params, opt_state)`, the one model to evaluate between syncs.
 
     Args:
       sync: a local mode.
@@ -326,8 +334,9 @@ def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[
 
     Returns:
       meet(params, opt_state, key): the meeting `key` of `sync.meetings` (a program compiled once per key),
-      on the per-device arrays of the local step, donated.
+      on the per-device arrays of the local step, donated; consensus: see `_consensus`.
     """
+    consensus = _consensus(sync, opt, devices, backend)
     k, reducer = len(devices), sync.reducer(strategy)
 
     def received(total, params, state, key):
@@ -369,11 +378,11 @@ def make_sync(sync: Sync, strategy: Allreduce, opt: OptState, devices: Sequence[
             programs[key] = (inside if reducer.inside else outside)(key)
         return programs[key](params, opt_state)
 
-    return meet
+    return SyncPrograms(meet, consensus)
 
 
-def make_consensus(sync: Sync, opt: OptState, devices: Sequence[jax.Device],
-                   backend: Backend) -> Callable[[PyTree, PyTree], PyTree]:
+def _consensus(sync: Sync, opt: OptState, devices: Sequence[jax.Device],
+               backend: Backend) -> Callable[[PyTree, PyTree], PyTree]:
     """`consensus(params, opt_state)`: the one model of a local run, replicated, to evaluate between syncs:
     `sync.model` of its state (DiLoCo: θ, the global params of the last sync), else the average of the
     devices' params (local SGD; an evaluation's own sum, not counted as the run's communication)."""

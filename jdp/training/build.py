@@ -17,7 +17,7 @@ from jdp.parallel.layout import copies, fetch, place
 from jdp.parallel.opt_state import LocalOptimizer, OptimizerPart, OptState, ReplicatedOptimizer, ShardedOptimizer
 from jdp.parallel.step import Segment, TrainStep, make_step
 from jdp.parallel.strategy import Allreduce
-from jdp.parallel.sync import Sync, make_consensus, make_sync
+from jdp.parallel.sync import Sync, make_sync
 from jdp.runtime.faults import JobWatch
 from jdp.training.checkpoint import Checkpoints
 from jdp.training.config import TrainConfig
@@ -72,9 +72,8 @@ class BuiltRun:
             step = stopwatch.step(step, lambda: steps_done() + 1)
         if not self.sync.local:
             return step, lambda state: state[0]
-        meet = make_sync(self.sync, self.strategy, self.opt, self.devices, self.config.backend)
-        if stopwatch is not None:
-            meet = stopwatch.sync(meet)
+        programs = make_sync(self.sync, self.strategy, self.opt, self.devices, self.config.backend)
+        meet = programs.meet if stopwatch is None else stopwatch.sync(programs.meet)
 
         def step_then_sync(params, opt_state, images, labels):
             params, opt_state, loss = step(params, opt_state, images, labels)
@@ -82,8 +81,7 @@ class BuiltRun:
                 params, opt_state = meet(params, opt_state, key)
             return params, opt_state, loss
 
-        consensus = make_consensus(self.sync, self.opt, self.devices, self.config.backend)
-        return step_then_sync, lambda state: consensus(*state)
+        return step_then_sync, lambda state: programs.consensus(*state)
 
     def start(self, dataset: Dataset, checkpoints: Checkpoints | None, check_replicas: int | None,
               job: JobWatch) -> tuple[Keeper, tuple[PyTree, PyTree], jax.Array]:
