@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     import optax
 
 
-
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Everything that determines a training run (with the data and devices).
@@ -31,25 +30,30 @@ class TrainConfig:
     which the CLI reports as its flag (`--batch-size`). `dataclasses.replace` checks again.
     """
 
+    # the run: the lesson's hyper-parameters
     batch_size: int = 256
     lr: float = 0.2
     epochs: int = 10
-    allreduce: str | Allreduce = "psum"  # a registered name (jdp.allreduce_names()) or a strategy value, e.g. jdp.get_allreduce("ring", fuse=True)
     seed: int = 0
-    eval_on: str = "all"  # "all": split evaluation over the devices; "device0": the lesson's way
     warmup_steps: int = 0  # ramp the lr linearly from 0 over this many steps (Goyal et al. 2017)
+    eval_on: str = "all"  # "all": split evaluation over the devices; "device0": the lesson's way
+    # the model: which, how its step is written, in what precision
     model: str | Model = "lenet"  # a registered name (jdp.model_names()) or your own Model
     formulation: str = "fast"  # model "lenet": a key of jdp.models.lenet_fast.FORMULATIONS, or "auto" (jdp.training.formulation)
     batchnorm: str | None = None  # for models with BatchNorm: "sync" (default) or "per-replica" (jdp.models)
-    steps_per_call: int | str = "auto"  # train steps per compiled call; "auto": from the measured step time
-    backend: str = "pmap"  # "pmap" or "shard_map": how the step is mapped over the devices (jdp.parallel.layout)
+    precision: str = "float32"  # "bf16": bfloat16 forward/backward, float32 params, loss, gradients (jdp.models.precision)
+    # the optimizer: which, on how many micro-batches, and where its state lives
     optimizer: "str | optax.GradientTransformation" = "sgd"  # "sgd" (the lesson's), "momentum", "adamw", or your own optax optimizer
     momentum: float | None = None  # for "momentum": the trace's decay; None: 0.9
     weight_decay: float | None = None  # sgd/momentum: L2 (None: none); adamw: decoupled (None: 1e-4)
     accumulate: int = 1  # micro-batches per device per step, gradients summed before the one allreduce
     shard_optimizer: bool = False  # ZeRO: optimizer state and reduced gradients split over the devices
-    precision: str = "float32"  # "bf16": bfloat16 forward/backward, float32 params, loss, gradients (jdp.models.precision)
+    # communication: values that carry their own settings (a name is looked up in its registry)
+    allreduce: str | Allreduce = "psum"  # a registered name (jdp.allreduce_names()) or a strategy value, e.g. jdp.get_allreduce("ring", fuse=True)
     sync: str | sync_lib.Sync = "every-step"  # a registered name (jdp.sync_names()) or a sync value, e.g. jdp.DiLoCo(every=16)
+    # execution: how the step is mapped over the devices and grouped into calls
+    backend: str = "pmap"  # "pmap" or "shard_map" (jdp.parallel.layout)
+    steps_per_call: int | str = "auto"  # train steps per compiled call; "auto": from the measured step time
     model_impl: dataclasses.InitVar[str | None] = None  # the earlier name of `formulation`, still accepted
 
     def __post_init__(self, model_impl: str | None) -> None:
