@@ -198,6 +198,8 @@ def test_payload_bytes_count_what_is_sent():
         ("psum", {}), ("ring", {"fuse": True}), ("psum", {"compress": "bf16"}), ("ring", {"compress": "bf16-wire"}),
         ("ring", {"compress": "bf16-wire", "fuse": True}), ("psum", {"compress": "powersgd", "rank": 3}),
         ("psum", {"compress": "powersgd", "rank": 3, "fuse": True}))]
+    with pytest.raises(TypeError, match=r"is now `payload_bytes\(grads, strategy\)`"):
+        compress.payload_bytes(grads, "bf16")
     assert sent == [4 * 1230, 4 * 1230, 2 * 1230, 2 * 1230, 2 * 1230,
                                    4 * (40 * 3 + 30 * 3 + 30), 4 * (40 * 3 + 30 * 3 + 30)]  # P, Q, the bias as it is
 

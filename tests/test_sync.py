@@ -237,6 +237,14 @@ def test_a_sync_value_carries_its_settings_and_the_old_fields_say_so():
     for name in ("sync_every", "outer_lr", "fragments"):
         with pytest.raises(TypeError, match=rf"`TrainConfig\({name}=\.\.\.\)` is gone: the sync value carries it"):
             dataclasses.replace(BASE, **{name: 1})
+    from jdp.parallel import sync
+
+    for name, replacement in (("diloco", "jdp.DiLoCo"), ("from_settings", "jdp.get_sync"),
+                              ("make_consensus", "make_sync")):
+        with pytest.raises(AttributeError, match=rf"`jdp\.parallel\.sync\.{name}` is now .*`{replacement}"):
+            getattr(sync, name)
+    with pytest.raises(TypeError, match=r"`Sync\(configure=\.\.\.\)` is gone"):
+        Sync("mine", configure=lambda every: None)
 
 
 def test_the_cli_names_the_flags(capsys):

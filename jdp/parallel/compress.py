@@ -238,6 +238,9 @@ def payload_bytes(grads: PyTree, strategy: Allreduce) -> int:
     gradient-shaped tree of arrays or `jax.ShapeDtypeStruct`s, one device's), else `grads`. How many times an
     algorithm moves those bytes is its own (ring: 2(k−1)/k of them). A `-wire` strategy sends the float32
     buffer's chunks in its low dtype, so it counts as its cast."""
+    if isinstance(strategy, str):  # moved after 0.1.0; see docs/api.md
+        raise TypeError("`payload_bytes(grads, compress, rank)` is now `payload_bytes(grads, strategy)`, e.g. "
+                        "`jdp.get_allreduce(name, compress=..., rank=...)`: the strategy knows its payload.")
     sent = grads if strategy.payload is None else strategy.payload(grads)
     return sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(sent))
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 
-from jdp.errors import Arg, ConfigError, Message
+from jdp.errors import Arg, ConfigError, Message, moved_arguments
 from jdp.parallel.layout import Backend, Kinds, map_over_devices
 from jdp.parallel.opt_state import OptState, SyncState
 from jdp.parallel.strategy import Allreduce
@@ -133,6 +133,10 @@ class Sync:
     def reducer(self, strategy: Allreduce) -> Allreduce:
         """What sums what the devices send: the run's allreduce strategy."""
         return strategy
+
+
+Sync.__init__ = moved_arguments({"configure": "a `Sync` subclass's fields are its settings, as `jdp.DiLoCo`'s"})(
+    Sync.__init__)  # type: ignore[method-assign]  # moved after 0.1.0
 
 
 def _mean_of_replicas(mean: PyTree, state: PyTree) -> tuple[PyTree, PyTree]:
@@ -397,7 +401,11 @@ def _consensus(sync: Sync, opt: OptState, devices: Sequence[jax.Device],
 
 
 _MOVED = {"SYNC_MODES": "`names()` (`jdp.sync_names()`), read from the registry of sync algorithms",
-          "make_outer_optimizer": "`outer_optimizer_of(name, lr, momentum)`, a builder of the optax optimizer"}
+          "make_outer_optimizer": "`outer_optimizer_of(name, lr, momentum)`, a builder of the optax optimizer",
+          "diloco": "`DiLoCo(every, outer_optimizer=, outer_lr=, outer_momentum=)` (`jdp.DiLoCo`), whose fields are its "
+                    "settings",
+          "from_settings": "`get(sync, every, **settings)` (`jdp.get_sync`)",
+          "make_consensus": "`make_sync(...).consensus`: `make_sync` builds both programs of a local sync mode"}
 
 
 def __getattr__(name: str):
