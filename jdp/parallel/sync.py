@@ -22,7 +22,7 @@ stateful, outside), so every device leaves it with bit-identical params. The alg
 import dataclasses
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 
@@ -174,6 +174,11 @@ def outer_optimizer_of(name: str | None = None, lr: float | None = None,
     return outer
 
 
+def _made_from_settings() -> Any:
+    """A field a `Sync` subclass makes from its settings in `__post_init__`: no argument, not compared or shown."""
+    return dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class DiLoCo(Sync):
     """DiLoCo (Douillard et al. 2023) with its outer optimizer: `DiLoCo(every=16)`, `DiLoCo(outer_lr=1.0)`. Its
@@ -186,14 +191,14 @@ class DiLoCo(Sync):
     """
 
     name: str = "diloco"
-    received: Callable | None = dataclasses.field(default=None, init=False, repr=False, compare=False)  # from the
-    sent: Callable | None = dataclasses.field(default=None, init=False, repr=False, compare=False)  # settings, in
-    init: Callable | None = dataclasses.field(default=None, init=False, repr=False, compare=False)  # __post_init__
-    model: Callable | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    received: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]] | None = _made_from_settings()
+    sent: Callable[[PyTree, PyTree], PyTree] | None = _made_from_settings()
+    init: Callable[[PyTree], PyTree] | None = _made_from_settings()
+    model: Callable[[PyTree], PyTree] | None = _made_from_settings()
     outer_optimizer: str | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
-    outer: Callable[[], "optax.GradientTransformation"] = dataclasses.field(init=False, repr=False, compare=False)
+    outer: Callable[[], "optax.GradientTransformation"] | None = _made_from_settings()
 
     def __post_init__(self) -> None:
         outer = outer_optimizer_of(self.outer_optimizer, self.outer_lr, self.outer_momentum)
@@ -312,9 +317,9 @@ def settings_of(sync: Sync) -> tuple[str, ...]:
 def recorded(sync: Sync) -> dict[str, object]:
     """`sync` as a run records it (`TrainConfig.to_dict`, a checkpoint's settings): its name, H as `sync_every`
     (None for `every-step`) and every registered sync's settings, `sync`'s own values where it has them, else None."""
-    names = dict.fromkeys(name for other in _SYNCS.values() for name in settings_of(other))
+    keys = dict.fromkeys(name for other in _SYNCS.values() for name in settings_of(other))
     return {"sync": sync.name, "sync_every": sync.every if sync.local else None,
-            **{name: getattr(sync, name, None) for name in names}}
+            **{key: getattr(sync, key, None) for key in keys}}
 
 
 class SyncPrograms(NamedTuple):
