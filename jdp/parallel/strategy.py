@@ -72,6 +72,9 @@ class Allreduce(NamedTuple):
     cost: Cost | None = None
     payload: Callable[[PyTree], PyTree] | None = None
 
+    def __repr__(self) -> str:  # its functions say nothing printed: the name spells the strategy and its wrappers
+        return f"Allreduce({self.name!r}, where={self.where!r})"
+
     @property
     def inside(self) -> bool:
         """Whether it runs inside the mapped step, as collectives (traceable in `jax.jit`), or between mapped
