@@ -204,6 +204,16 @@ def test_payload_bytes_count_what_is_sent():
                                    4 * (40 * 3 + 30 * 3 + 30), 4 * (40 * 3 + 30 * 3 + 30)]  # P, Q, the bias as it is
 
 
+def test_a_wrapper_hands_on_the_payload_of_the_strategy_it_wraps():
+    """PowerSGD around a bf16 strategy sends P, Q and the bias, each cast: the two payloads composed. A
+    strategy prints as its name and place, which spell it (its functions say nothing)."""
+    grads = {"w": jax.ShapeDtypeStruct((40, 30), jnp.float32), "b": jax.ShapeDtypeStruct((30,), jnp.float32)}
+    stack = compress.powersgd(compress.low_precision(jdp.get_allreduce("ring"), jnp.bfloat16), rank=3)
+    assert compress.payload_bytes(grads, stack) == 2 * (40 * 3 + 30 * 3 + 30)
+    assert repr(stack) == "Allreduce('ring+bfloat16+powersgd3', where='inside')"
+    assert repr(jdp.get_allreduce("manual")) == "Allreduce('manual', where='outside')"
+
+
 def test_a_strategy_value_carries_its_settings_and_the_old_fields_say_so():
     """A run records the strategy by the name that spells its wrappers; a checkpoint of an older run, with the
     settings apart, reads as the same strategy; the old fields name the value."""

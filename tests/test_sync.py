@@ -254,6 +254,16 @@ def test_the_cli_names_the_flags(capsys):
     assert "Unknown `--sync sometimes`; choose one of: every-step, local-sgd, diloco" in capsys.readouterr().err
 
 
+def test_the_cli_has_a_flag_for_every_built_in_sync_setting():
+    """`jdp train` passes `SYNC_SETTINGS` to `get_sync`: a built-in sync's new setting needs its flag there."""
+    from jdp.parallel.streaming import StreamingDiLoCo
+    from jdp.parallel.sync import settings_of
+
+    assert set(cli.SYNC_SETTINGS) == set(settings_of(StreamingDiLoCo())) >= set(settings_of(DiLoCo()))
+    args = cli.build_parser().parse_args(["train"])
+    assert all(hasattr(args, name) and getattr(args, name) is None for name in cli.SYNC_SETTINGS)
+
+
 def test_registering_a_sync_checks_it():
     from jdp.parallel.sync import register
 

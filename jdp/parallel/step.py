@@ -294,8 +294,7 @@ def make_step(loss: "LossFn | Model", opt: OptState, devices: Sequence[jax.Devic
     mode's (`make_local_step`), the sharded one (`make_sharded_step`) or the lesson's (`make_train_step`), with
     `opt`'s strategy, whose settings the caller has checked (`check_strategy`); its reach over `devices` is
     checked here (`check_reach`). `segment`: as `make_train_step`'s; a local step has no outside calls to wrap."""
-    if opt.strategy is not None:
-        check_reach(opt.strategy, devices)
+    check_reach(opt.strategy, devices)
     if isinstance(opt.placement, LocalOptimizer):
         return make_local_step(loss, opt, devices, backend, accumulate=accumulate)
     build = _sharded_step if isinstance(opt.placement, ShardedOptimizer) else _summed_step
@@ -323,10 +322,10 @@ def check_strategy(strategy: Allreduce, backend: Backend, shard_optimizer: bool 
         )
 
 
-def check_reach(strategy: Allreduce, devices: Sequence[jax.Device]) -> None:
+def check_reach(strategy: Allreduce | None, devices: Sequence[jax.Device]) -> None:
     """Raises ConfigError unless `strategy` reaches all of `devices`: an "outside" strategy copies with
-    `jax.device_put`, which reaches this process's devices only."""
-    if not strategy.inside and any(d.process_index != jax.process_index() for d in devices):
+    `jax.device_put`, which reaches this process's devices only (None, a step with no allreduce, reaches any)."""
+    if strategy is not None and not strategy.inside and any(d.process_index != jax.process_index() for d in devices):
         inside = ", ".join(allreduce_lib.names("inside"))
         raise ConfigError(
             Arg("allreduce", strategy.name), " copies buffers between devices with `jax.device_put`, which only "

@@ -16,7 +16,7 @@ from jdp.parallel.feeders import AUTO
 from jdp.parallel.layout import check_backend, check_divisible
 from jdp.parallel.step import check_strategy
 from jdp.parallel.strategy import Allreduce
-from jdp.training import formulation, optimizers
+from jdp.training import formulation, optimizers, resume
 
 if TYPE_CHECKING:
     import optax
@@ -151,10 +151,12 @@ class TrainConfig:
 _STRATEGY_VALUE = ("the strategy value carries it: `allreduce=jdp.get_allreduce(NAME, fuse=..., bucket_mb=..., "
                    "compress=..., rank=...)`, or its name with wrappers, e.g. `allreduce=\"ring+bfloat16+fused\"`")
 _SYNC_VALUE = "the sync value carries it: `sync=jdp.get_sync(NAME, every=H, ...)`, e.g. `jdp.DiLoCo(every=16, outer_lr=0.7)`"
+# `TrainConfig`'s sync fields before the sync value carried them (a run still records them: `sync.recorded`).
+SYNC_FIELDS = ("sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "fragments", "sync_delay", "outer_dtype",
+               "mixing", "error_feedback")
 TrainConfig.__init__ = moved_arguments({  # type: ignore[method-assign]  # moved after 0.1.0
-    **{name: _STRATEGY_VALUE for name in ("fuse", "bucket_mb", "compress", "powersgd_rank")},
-    **{name: _SYNC_VALUE for name in ("sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "fragments",
-                                      "sync_delay", "outer_dtype", "mixing", "error_feedback")}})(TrainConfig.__init__)
+    **dict.fromkeys(resume.STRATEGY_SETTINGS, _STRATEGY_VALUE), **dict.fromkeys(SYNC_FIELDS, _SYNC_VALUE)})(
+    TrainConfig.__init__)
 
 
 class Components(NamedTuple):
