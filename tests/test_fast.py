@@ -51,8 +51,9 @@ def test_loss_and_gradients_equal_the_reference(problem, reference):
     assert_close(got, want)
 
 
-@pytest.mark.parametrize("name", ["split-2", pytest.param("split-4", marks=pytest.mark.slow)])
-def test_split_formulations_have_the_reference_loss_and_gradients(problem, reference, name):
+@pytest.mark.parametrize("name", ["split-2", "phase-matmul", *(pytest.param(name, marks=pytest.mark.slow) for name in
+                                  ("split-4", "phase-matmul-split-2", "phase-matmul-split-4"))])
+def test_trained_formulations_have_the_reference_loss_and_gradients(problem, reference, name):
     want_loss, want = reference
     got_loss, got = jax.jit(jax.value_and_grad(summed_cross_entropy(lenet_fast.FORMULATIONS[name])))(*problem)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
@@ -144,15 +145,19 @@ def test_fast_conv2_bf16_gradients_equal_xla_s_within_rounding(problem):
         np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-2 * float(jnp.abs(want[name]).max()))
 
 
-def test_fused_first_layer_equals_conv_bias_relu_pool_with_all_gradients():
+LAYERS1 = [lenet_fast.one_channel_conv_relu_pool, lenet_fast.phase_matmul_conv_relu_pool]  # conv1's two layers
+
+
+@pytest.mark.parametrize("layer", LAYERS1)
+def test_fused_first_layer_equals_conv_bias_relu_pool_with_all_gradients(layer):
     """Odd conv output (8×7 → pooled 4×3, last column dropped as the floor pooling does), nonzero bias."""
     x = jax.random.normal(jax.random.key(3), (3, 10, 9, 1))
     w = jax.random.normal(jax.random.key(4), (3, 3, 1, 5))
     b = jax.random.normal(jax.random.key(5), (5,))
     plain_layer = lenet_fast.conv_relu_pool(pool=lambda h: lenet_fast.avg_pool(h[:, :8, :6]))
     plain = lambda x, w, b: jnp.sum(jnp.sin(3 * plain_layer(x, w, b)))
-    fused = lambda x, w, b: jnp.sum(jnp.sin(3 * lenet_fast.one_channel_conv_relu_pool(x, w, b)))
-    assert lenet_fast.one_channel_conv_relu_pool(x, w, b).shape == (3, 4, 3, 5)
+    fused = lambda x, w, b: jnp.sum(jnp.sin(3 * layer(x, w, b)))
+    assert layer(x, w, b).shape == (3, 4, 3, 5)
     np.testing.assert_allclose(fused(x, w, b), plain(x, w, b), rtol=1e-5)
     got, want = jax.jit(jax.grad(fused, (0, 1, 2)))(x, w, b), jax.jit(jax.grad(plain, (0, 1, 2)))(x, w, b)
     assert float(jnp.abs(want[0]).max()) > 0.1  # the input gradient is not trivially zero
@@ -160,14 +165,14 @@ def test_fused_first_layer_equals_conv_bias_relu_pool_with_all_gradients():
         np.testing.assert_allclose(g, v, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-def test_fused_first_layer_computes_in_float32_under_bf16():
+@pytest.mark.parametrize(("layer", "sums_in_bf16"), list(zip(LAYERS1, (True, False))))  # a bf16 matmul sums in float32
+def test_fused_first_layer_computes_in_float32_under_bf16(layer, sums_in_bf16):
     """bfloat16 inputs: the float32 loop's result rounded once, values and gradients (CPUs have no bf16 arithmetic)."""
     keys = jax.random.split(jax.random.key(6), 3)
     x, w, b = (jax.random.normal(k, shape).astype(jnp.bfloat16) for k, shape in zip(keys, [(4, 10, 10, 1), (3, 3, 1, 6), (6,)]))
     f32 = [a.astype(jnp.float32) for a in (x, w, b)]
-    layer = lenet_fast.one_channel_conv_relu_pool
     np.testing.assert_array_equal(layer(x, w, b), layer(*f32).astype(jnp.bfloat16))
-    assert not np.array_equal(layer(x, w, b, compute_dtype=None), layer(x, w, b))  # bfloat16 sums round apart
+    assert np.array_equal(layer(x, w, b, compute_dtype=None), layer(x, w, b)) != sums_in_bf16  # bf16 sums round apart
     loss = lambda x, w, b: jnp.sum(jnp.sin(3 * layer(x, w, b).astype(jnp.float32)))
     got = jax.grad(loss, (1, 2))(x, w, b)
     want = jax.grad(lambda w, b: jnp.sum(jnp.sin(3 * layer(f32[0], w, b).astype(jnp.bfloat16).astype(jnp.float32))), (0, 1))(*f32[1:])
@@ -176,9 +181,10 @@ def test_fused_first_layer_computes_in_float32_under_bf16():
         np.testing.assert_allclose(g.astype(jnp.float32), v, rtol=1e-2, atol=1e-2 * float(jnp.abs(v).max()))
 
 
-def test_fused_first_layer_refuses_several_input_channels():
+@pytest.mark.parametrize("layer", LAYERS1)
+def test_fused_first_layer_refuses_several_input_channels(layer):
     with pytest.raises(ValueError, match="1 input channel"):
-        lenet_fast.one_channel_conv_relu_pool(jnp.ones((1, 6, 6, 2)), jnp.ones((3, 3, 2, 4)), jnp.ones(4))
+        layer(jnp.ones((1, 6, 6, 2)), jnp.ones((3, 3, 2, 4)), jnp.ones(4))
 
 
 @pytest.mark.parametrize(("row", "col", "read"), [(25, 25, True), (26, 0, False), (0, 26, False), (27, 27, False)])
@@ -192,5 +198,6 @@ def test_crop_keeps_exactly_the_pixels_the_reference_reads(problem, row, col, re
 
 
 def test_formulations_are_named_for_the_cli():
-    assert list(lenet_fast.FORMULATIONS) == ["reference", "fast", "split-2", "split-4"]
+    assert list(lenet_fast.FORMULATIONS) == ["reference", "fast", "split-2", "split-4", "phase-matmul",
+                                             "phase-matmul-split-2", "phase-matmul-split-4"]
     assert lenet_fast.FORMULATIONS["reference"] is lenet.apply and lenet_fast.FORMULATIONS["fast"] is lenet_fast.apply

@@ -4,8 +4,9 @@ Every formulation takes the lesson's params and NCHW images and computes the sam
 rounding; the table prints each one's largest gradient difference from the reference). Each runs
 as jdp's data-parallel SGD step on the devices asked for (one by default) and is timed in
 alternating rounds, fastest round kept, so the ratios of one run compare. `reference`, `fast`,
-`split-2` and `split-4` are the formulations jdp trains (`--formulation`); `--write-table` records
-the fastest of them for this machine kind in `--formulation auto`'s table. The others are
+`split-2`, `split-4` and the three `phase-matmul` ones are the formulations jdp trains
+(`--formulation`); `--write-table` records the fastest of them for this machine kind in
+`--formulation auto`'s table. The others are
 alternatives kept here so their cost can be re-measured on new hardware or a new XLA:
 
 * conv1 as XLA's convolution (weight gradient as an im2col matmul) followed by separate bias,
@@ -135,6 +136,12 @@ FORMULATIONS: dict[str, tuple[str, Apply]] = {
     "conv2-nchw": ("fast, conv2 in the lesson's NCHW/OIHW layout", make_apply(conv2=_conv_nchw)),
     "split-2": ("fast, the batch as 2 independent chunks in one step", lenet_fast.FORMULATIONS["split-2"]),
     "split-4": ("fast, the batch as 4 independent chunks in one step", lenet_fast.FORMULATIONS["split-4"]),
+    "phase-matmul": ("fast, conv1's layer as one matmul of the pixel phases by the kernel placed per pooling phase",
+                     lenet_fast.FORMULATIONS["phase-matmul"]),
+    "phase-matmul-split-2": ("phase-matmul, the batch as 2 independent chunks in one step",
+                             lenet_fast.FORMULATIONS["phase-matmul-split-2"]),
+    "phase-matmul-split-4": ("phase-matmul, the batch as 4 independent chunks in one step",
+                             lenet_fast.FORMULATIONS["phase-matmul-split-4"]),
     "bf16": ("fast under `--precision bf16`: bfloat16, conv1's fused layer in float32", _bf16(lenet_fast.apply)),
     "bf16-conv1-bf16": ("bf16, conv1's fused layer in bfloat16 too",
                         _bf16(make_apply(layer1=_layer1_in_input_dtype))),

@@ -126,8 +126,8 @@ def _add_data_and_model_flags(train: argparse.ArgumentParser) -> None:
     train.add_argument("--formulation", "--model-impl", default="auto", choices=["auto", *FORMULATIONS],
                        help="--model lenet's formulation, the same math written for speed: auto (the fastest "
                        "measured for this machine kind and device count, else fast; a resumed run keeps its "
-                       "checkpoint's), fast, split-2/split-4 (each device's batch in independent chunks), or "
-                       "reference (the lesson's); --model-impl is its earlier name (docs/performance.md)")
+                       "checkpoint's), fast, split-2/split-4 (each device's batch in independent chunks), phase-matmul "
+                       "(conv1 as one matmul; and its splits), or reference (the lesson's); --model-impl is its earlier name (docs/performance.md)")
     add_steps_per_call_flag(train, "train steps per compiled call (S > 1 needs a collective allreduce strategy); "
                             "auto: 1, then, from the second epoch, enough for a call of about 4 ms (at most 16) "
                             "where steps are that short and the step allows it; the grouping changes no result "

@@ -19,6 +19,9 @@ the figures are in docs/performance.md):
   runs in float32 under `--precision bf16` too: CPUs do no bfloat16 elementwise arithmetic. The layer's
   output is stored behind an optimisation barrier: otherwise XLA also fuses the loop into the
   transpose that conv2's weight gradient reads, and runs it a second time there.
+* `phase-matmul` (and its splits below): conv1's layer as one matmul instead, of the image's pixel
+  phases by the kernel placed per pooling phase (`phase_matmul_conv_relu_pool`): its backward is a
+  select and a matmul where the fused loop's recomputes the phases in XLA's elementwise loops.
 * Pooling as a sum of four strided slices, which XLA fuses with the ReLU, instead of
   `reduce_window`.
 * conv2's input gradient, below float32, written out as the forward convolution XLA would run
@@ -32,10 +35,12 @@ another order, and independent work XLA's CPU runtime may run on several cores a
 pays depends on the machine (`--formulation auto`, `jdp.training.formulation`).
 """
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jdp.models import lenet
@@ -180,9 +185,13 @@ def _phase_conv(phases: list[list[jax.Array]], w_hwio: jax.Array, b: jax.Array, 
     return b + sum(phases[a + i][c + j] * w_hwio[i, j, 0] for i in range(kh) for j in range(kw))
 
 
-def _one_channel_conv_relu_pool(x: jax.Array, w_hwio: jax.Array, b: jax.Array) -> jax.Array:
+def _check_one_channel(x: jax.Array, w_hwio: jax.Array) -> None:
     if x.shape[-1] != 1 or w_hwio.shape[2] != 1:
-        raise ValueError(f"one_channel_conv_relu_pool needs 1 input channel; got input {x.shape}, kernel {w_hwio.shape}")
+        raise ValueError(f"conv1's layer needs 1 input channel; got input {x.shape}, kernel {w_hwio.shape}")
+
+
+def _one_channel_conv_relu_pool(x: jax.Array, w_hwio: jax.Array, b: jax.Array) -> jax.Array:
+    _check_one_channel(x, w_hwio)
     phases = _pooling_phases(x, *w_hwio.shape[:2])
     return 0.25 * sum(jax.nn.relu(_phase_conv(phases, w_hwio, b, a, c)) for a, c in _PHASES)
 
@@ -226,8 +235,84 @@ def one_channel_conv_relu_pool(x: jax.Array, w_hwio: jax.Array, b: jax.Array,
     operand to float32 and back, which made this layer the costliest part of a bfloat16 step); the
     inputs' bfloat16 values are exact in float32, so only the output's rounding is bfloat16's.
     """
-    dtype = compute_dtype or x.dtype
-    return _one_channel_layer(x.astype(dtype), w_hwio.astype(dtype), b.astype(dtype)).astype(x.dtype)
+    return _computed_in(compute_dtype, _one_channel_layer, x, w_hwio, b)
+
+
+def _computed_in(dtype: jnp.dtype | None, layer: Layer, x: jax.Array, w_hwio: jax.Array, b: jax.Array) -> jax.Array:
+    """`layer` on its inputs cast to `dtype` (None: the inputs' dtype), its output in the inputs' dtype."""
+    dtype = dtype or x.dtype
+    return layer(x.astype(dtype), w_hwio.astype(dtype), b.astype(dtype)).astype(x.dtype)
+
+
+def _phase_pixels(x: jax.Array, kh: int, kw: int) -> jax.Array:
+    """(N, H', W', (kh+1)·(kw+1) + 1): the image's pixel phases x[2i+r, 2j+s] that the four pooling
+    phases' convolutions read, and a ones column for the bias."""
+    columns = [phase[..., 0] for row in _pooling_phases(x, kh, kw) for phase in row]
+    return jnp.stack([*columns, jnp.ones_like(columns[0])], axis=-1)
+
+
+@functools.cache
+def _placement(kh: int, kw: int) -> np.ndarray:
+    """S[r, q, k] = 1 where pooling phase q's convolution multiplies pixel phase r by tap k (k = kh·kw: the bias,
+    by the ones column)."""
+    s = np.zeros(((kh + 1) * (kw + 1) + 1, len(_PHASES), kh * kw + 1), np.float32)
+    for q, (a, c) in enumerate(_PHASES):
+        for i in range(kh):
+            for j in range(kw):
+                s[(a + i) * (kw + 1) + c + j, q, i * kw + j] = 1
+        s[-1, q, -1] = 1
+    return s
+
+
+def _phase_matmul_forward(x: jax.Array, w_hwio: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(the pooled layer, the pixel phases, the four phases' pre-activations (N, H', W', 4, O))."""
+    _check_one_channel(x, w_hwio)
+    kh, kw, _, out = w_hwio.shape
+    pixels = _phase_pixels(x, kh, kw)
+    taps = jnp.concatenate([w_hwio.reshape(kh * kw, out), b[None]])
+    placed = jnp.einsum("rqk,ko->rqo", _placement(kh, kw), taps).reshape(-1, len(_PHASES) * out)
+    z = jnp.matmul(pixels, placed).reshape(*pixels.shape[:3], len(_PHASES), out)
+    return 0.25 * jnp.sum(jax.nn.relu(z), axis=3), pixels, z
+
+
+@jax.custom_vjp
+def _phase_matmul_layer(x: jax.Array, w_hwio: jax.Array, b: jax.Array) -> jax.Array:
+    return _phase_matmul_forward(x, w_hwio, b)[0]
+
+
+def _phase_matmul_fwd(x, w_hwio, b):
+    y, pixels, z = _phase_matmul_forward(x, w_hwio, b)
+    return y, (x, pixels, z, w_hwio, b)
+
+
+def _phase_matmul_bwd(residuals, dy):
+    x, pixels, z, w_hwio, b = residuals
+    kh, kw, _, out = w_hwio.shape
+    dz = jnp.where(z > 0, 0.25 * dy[:, :, :, None, :], 0).reshape(-1, len(_PHASES) * out)
+    # Stored transposed: otherwise XLA transposes the 4·O-wide dz for the matmul instead of the narrow pixels.
+    pixels_t = lax.optimization_barrier(pixels.reshape(-1, pixels.shape[-1]).T)
+    placed = jnp.matmul(pixels_t, dz, preferred_element_type=jnp.float32).reshape(-1, len(_PHASES), out)
+    taps = jnp.einsum("rqk,rqo->ko", _placement(kh, kw), placed)
+    (dx,) = jax.vjp(lambda x: _phase_matmul_forward(x, w_hwio, b)[0], x)[1](dy)  # dead code unless wanted
+    return dx, taps[:-1].reshape(w_hwio.shape).astype(w_hwio.dtype), taps[-1].astype(b.dtype)
+
+
+_phase_matmul_layer.defvjp(_phase_matmul_fwd, _phase_matmul_bwd)
+
+
+def phase_matmul_conv_relu_pool(x: jax.Array, w_hwio: jax.Array, b: jax.Array,
+                                compute_dtype: jnp.dtype | None = jnp.float32) -> jax.Array:
+    """`one_channel_conv_relu_pool` with the convolution as one matmul: the `phase-matmul` formulations.
+
+    The four pooling phases of a kh×kw convolution read (kh+1)·(kw+1) pixel phases of the image. Their
+    pre-activations, for every output channel, are one matmul: the pixel phases and a ones column
+    (N·H'·W' × 17 for 3×3) by the kernel and bias placed per phase (17 × 4·O). The forward is that
+    matmul and a ReLU-and-sum over the phases; the backward a select of the stored pre-activations
+    and one matmul for the weight and bias gradients: contiguous work, where the fused loop's
+    backward recomputes the phases in XLA's slower elementwise loops. Where it is faster depends on
+    the machine (docs/performance.md); float32 by default, as the fused loop.
+    """
+    return _computed_in(compute_dtype, _phase_matmul_layer, x, w_hwio, b)
 
 
 def make_apply(layer1: Layer = one_channel_conv_relu_pool, conv2: Conv = conv_low_precision_input_gradient,
@@ -257,6 +342,7 @@ def make_apply(layer1: Layer = one_channel_conv_relu_pool, conv2: Conv = conv_lo
 
 
 apply = make_apply()
+apply_phase_matmul = make_apply(layer1=phase_matmul_conv_relu_pool)
 
 
 def in_chunks(apply: Callable[[Params, jax.Array], jax.Array], chunks: int) -> Callable[[Params, jax.Array], jax.Array]:
@@ -276,4 +362,6 @@ def in_chunks(apply: Callable[[Params, jax.Array], jax.Array], chunks: int) -> C
 # The formulations jdp trains (`--formulation`, TrainConfig's `formulation`) -> apply function; all take
 # the same params and images and compute the same logits up to float32 rounding.
 FORMULATIONS = {"reference": lenet.apply, "fast": apply, "split-2": in_chunks(apply, 2),
-                "split-4": in_chunks(apply, 4)}
+                "split-4": in_chunks(apply, 4), "phase-matmul": apply_phase_matmul,
+                "phase-matmul-split-2": in_chunks(apply_phase_matmul, 2),
+                "phase-matmul-split-4": in_chunks(apply_phase_matmul, 4)}
